@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export DS_ACCELERATOR ?= cpu
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup demo test bench-cpu clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 (the CPU build) is pinned in requirements-ci.txt and installed in the same pip
+# command as everything else: an unpinned resolve pulls a multi-GB CUDA build.
+$(STAMP): requirements-ci.txt setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-ci.txt -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m ds_infcl.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench-cpu: $(STAMP)
+	$(BIN)/python -m ds_infcl.bench.cpu_tiled --out docs/bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,19 @@
+"""Loss API: the functional ``lse`` op and InfoNCE losses, ``nn.Module`` wrappers, the registry of
+implementations (Inf-CL and the baselines)."""
+
+from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
+from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
+from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
+
+__all__ = [
+    "ClipLoss",
+    "ContrastiveLoss",
+    "available_loss_impls",
+    "clip_loss",
+    "compose_infonce",
+    "contrastive_loss",
+    "get_loss_impl",
+    "lse",
+    "positive_logits",
+    "register_loss_impl",
+]

@@ -1,0 +1,196 @@
+"""Functional API of the contrastive losses.
+
+The expensive part is one op, ``lse``: the row and column log-sum-exp vectors of the logits
+``x = scale * query @ key.T`` over the *global* batch (all ranks of ``group``), computed tile by
+tile in linear memory. The InfoNCE losses are a cheap composition of those vectors with the
+positive logits; other losses (FastCLIP's global losses, weighted or masked variants) reuse
+``lse`` the same way.
+
+Shapes (per rank): ``query [b, c]``, ``key [m, c]``, ``labels [b]`` (index of each query's positive
+among the *local* keys; default ``arange(b)``), ``scale`` a float or a 0-dim tensor (it receives
+a gradient when it requires one).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
+from ds_infcl.ops import tiled_lse
+from ds_infcl.ops.validation import check_features, check_labels, check_scale
+from ds_infcl.ring import group_size
+
+__all__ = ["lse", "contrastive_loss", "clip_loss", "positive_logits", "compose_infonce"]
+
+Scale = Union[float, torch.Tensor]
+
+
+def _as_scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
+    if torch.is_tensor(scale):
+        return scale.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(scale), device=device, dtype=torch.float32)
+
+
+def _labels_tensor(labels: Optional[torch.Tensor], b: int, device: torch.device) -> torch.Tensor:
+    if labels is None:
+        return torch.arange(b, device=device)
+    return labels.to(device=device, dtype=torch.long)
+
+
+def lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scale,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+    backend: str = "auto",
+    group=None,
+    tile_size: Optional[int] = None,
+    check_finite: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row and column LSE of ``scale * query @ key.T`` over the global batch, differentiable.
+
+    Args:
+        query: ``[b, c]`` local queries (fp32, bf16 or fp16; accumulation is fp32).
+        key: ``[m, c]`` local keys, same dim and dtype as ``query``.
+        scale: multiplier of the logits (``1 / temperature``); a tensor receives a gradient.
+        labels: ``[b]`` local index of each query's positive key (default the diagonal); only read
+            when ``exclude_positive``.
+        exclude_positive: leave each query's positive pair out of both LSEs (FastCLIP's
+            ``log g`` needs this).
+        compute_col: also return the column LSE (the key-to-query direction).
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        group: process group of the data-parallel ranks (``None``: the default group if
+            torch.distributed is initialized, else a single process). With more than one rank the
+            key blocks travel around a ring.
+        tile_size: tile edge of the torch backend (default ``DEFAULT_TILE``).
+        check_finite: raise on NaN/Inf features (costs one pass over the inputs).
+
+    Returns:
+        ``row_lse [b]`` (float32, over all keys of all ranks) and ``col_lse [m]`` (float32, over
+        all queries of all ranks) or ``None``.
+
+    Raises:
+        ValueError: malformed shapes, dims/dtypes that differ, labels out of range, empty inputs,
+            non-finite features, an unknown backend.
+    """
+    check_features(query, key, check_finite=check_finite, allow_empty=group_size(group) > 1)
+    check_scale(scale)
+    if exclude_positive:
+        check_labels(labels, query.shape[0], key.shape[0])
+        labels = _labels_tensor(labels, query.shape[0], query.device)
+    scale_t = _as_scale_tensor(scale, query.device)
+    if group_size(group) > 1:
+        from ds_infcl.loss.ring import ring_lse
+
+        return ring_lse(
+            query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
+            compute_col=compute_col, backend=backend, group=group, tile_size=tile_size,
+        )
+    return tiled_lse(
+        query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
+        compute_col=compute_col, backend=backend, tile_size=tile_size,
+    )
+
+
+def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):
+    """``[b]`` float32 logits of each query with its positive key: ``scale * q_i . k_{labels_i}``."""
+    return scale * (query.float() * key[labels].float()).sum(dim=1)
+
+
+def compose_infonce(
+    row_lse: torch.Tensor,
+    col_lse: Optional[torch.Tensor],
+    pos: torch.Tensor,
+    labels: torch.Tensor,
+    num_queries: int,
+    symmetric: bool,
+) -> torch.Tensor:
+    """This rank's share of the InfoNCE loss: local sums divided by the global query count.
+
+    One direction: ``sum_i (row_lse_i - pos_i) / B``; symmetric adds the key-to-query term of each
+    query's positive key, ``sum_i (col_lse_{labels_i} - pos_i) / B``, and halves the sum. The
+    shares of all ranks add up to the global loss.
+    """
+    loss = (row_lse - pos).sum() / num_queries
+    if symmetric:
+        loss = (loss + (col_lse[labels] - pos).sum() / num_queries) / 2
+    return loss
+
+
+@register_loss_impl("infcl")
+def _infcl_loss(query, key, scale, labels, *, symmetric, backend, group, tile_size):
+    """Inf-CL: tiled LSE on each device, key blocks around a ring across devices."""
+    if group_size(group) > 1:
+        from ds_infcl.loss.ring import ring_infonce
+
+        return ring_infonce(
+            query, key, scale, labels, symmetric=symmetric, backend=backend, group=group,
+            tile_size=tile_size,
+        )
+    row, col = tiled_lse(
+        query, key, scale, compute_col=symmetric, backend=backend, tile_size=tile_size
+    )
+    pos = positive_logits(query, key, scale, labels)
+    return compose_infonce(row, col, pos, labels, query.shape[0], symmetric)
+
+
+def contrastive_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scale,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    symmetric: bool = False,
+    impl: str = "infcl",
+    backend: str = "auto",
+    group=None,
+    tile_size: Optional[int] = None,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """InfoNCE over the global batch, exact, in linear memory.
+
+    One direction (retrieval): ``mean_i (row_lse_i - x_{i, labels_i})`` over all queries of all
+    ranks. Symmetric (CLIP): the mean of that and ``mean_i (col_lse_{labels_i} - x_{i, labels_i})``.
+    With hard negatives (``m > b`` keys per rank) the key-to-query term covers the positive keys.
+
+    Args:
+        query: ``[b, c]`` local queries (images, or text queries).
+        key: ``[m, c]`` local keys (texts, or documents with hard negatives), ``m >= 1``.
+        scale: ``1 / temperature`` as a float or a tensor that receives a gradient (pass
+            ``logit_scale.exp()``).
+        labels: ``[b]`` index of each query's positive among the local keys (default ``arange(b)``,
+            which needs ``m >= b``). A positive always lives on its query's rank.
+        symmetric: add the key-to-query direction (CLIP).
+        impl: loss implementation by name; see ``available_loss_impls()``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see ``lse``).
+        group: data-parallel process group (see ``lse``).
+        tile_size: tile edge of the torch backend.
+        check_finite: raise on NaN/Inf features.
+
+    Returns:
+        0-dim float32 tensor: the global loss, the same value on every rank.
+
+    Raises:
+        ValueError: on the bad inputs listed in ``lse``, labels out of range, an unknown ``impl``.
+    """
+    fn = get_loss_impl(impl)
+    world = group_size(group)
+    check_features(query, key, check_finite=check_finite, allow_empty=world > 1)
+    check_scale(scale)
+    check_labels(labels, query.shape[0], key.shape[0])
+    labels_t = _labels_tensor(labels, query.shape[0], query.device)
+    scale_t = _as_scale_tensor(scale, query.device)
+    return fn(
+        query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
+        tile_size=tile_size,
+    )
+
+
+def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, scale: Scale, **kwargs):
+    """Symmetric CLIP loss: ``contrastive_loss(image, text, scale, symmetric=True, **kwargs)``."""
+    return contrastive_loss(image_features, text_features, scale, symmetric=True, **kwargs)

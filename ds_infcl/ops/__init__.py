@@ -1,0 +1,30 @@
+"""Single-device maths of the contrastive loss: reference, tiled PyTorch path, Triton kernels.
+
+Never imports torch.distributed or deepspeed (DESIGN.md section 1).
+"""
+
+from ds_infcl.ops.lse import (
+    BACKENDS,
+    TiledLSEFunction,
+    lse_backward,
+    lse_forward,
+    resolve_backend,
+    tiled_lse,
+)
+from ds_infcl.ops.reference import contrastive_loss_reference, logits_reference, lse_reference
+from ds_infcl.ops.tiled import DEFAULT_TILE, lse_backward_torch, lse_forward_torch
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TILE",
+    "TiledLSEFunction",
+    "contrastive_loss_reference",
+    "logits_reference",
+    "lse_backward",
+    "lse_backward_torch",
+    "lse_forward",
+    "lse_forward_torch",
+    "lse_reference",
+    "resolve_backend",
+    "tiled_lse",
+]

@@ -1,0 +1,175 @@
+"""Backend dispatch and the single-device autograd Function of the contrastive LSE op.
+
+``lse_forward`` / ``lse_backward`` are the block-level entry points (also used by the ring in
+``ds_infcl.loss``); ``TiledLSEFunction`` / ``tiled_lse`` make them differentiable on one device.
+
+Backends: ``"torch"`` (tiled PyTorch, any device), ``"triton"`` (fused kernels, CUDA, or the
+Triton interpreter when ``TRITON_INTERPRET=1``), ``"auto"`` (Triton on CUDA when available, else
+torch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ds_infcl.ops.tiled import DEFAULT_TILE, lse_backward_torch, lse_forward_torch
+
+__all__ = [
+    "BACKENDS",
+    "resolve_backend",
+    "lse_forward",
+    "lse_backward",
+    "TiledLSEFunction",
+    "tiled_lse",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _triton_module():
+    try:
+        from ds_infcl.ops import triton_lse  # noqa: F401  (imports triton)
+    except ImportError as err:  # triton missing, or the kernels are not built in this version
+        return None, err
+    return triton_lse, None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto"`` to a concrete backend for ``device`` and check that it can run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "auto":
+        if device.type == "cuda" and _triton_module()[0] is not None:
+            return "triton"
+        return "torch"
+    if backend == "triton":
+        mod, err = _triton_module()
+        if mod is None:
+            raise ValueError(f'backend="triton" needs the Triton kernels, which failed to import: {err}')
+        if device.type != "cuda" and not interpret:
+            raise ValueError(
+                f'backend="triton" runs on CUDA tensors (got {device}); use backend="torch" or '
+                '"auto" on this device, or set TRITON_INTERPRET=1 before import to test kernels on CPU'
+            )
+    return backend
+
+
+def lse_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+    backend: str = "torch",
+    tile_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Float32 ``(row_lse [b], col_lse [m] or None)`` of ``scale * query @ key.T`` on one block.
+
+    ``backend`` must already be resolved (``resolve_backend``). ``tile_size`` applies to the
+    torch backend; the Triton backend picks its own tiles.
+    """
+    if backend == "triton":
+        from ds_infcl.ops.triton_lse import lse_forward_triton
+
+        return lse_forward_triton(
+            query, key, scale, labels=labels, exclude_positive=exclude_positive, compute_col=compute_col
+        )
+    tile = tile_size or DEFAULT_TILE
+    return lse_forward_torch(
+        query, key, scale, labels=labels, exclude_positive=exclude_positive,
+        compute_col=compute_col, tile_b=tile, tile_m=tile,
+    )
+
+
+def lse_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    row_lse: torch.Tensor,
+    col_lse: Optional[torch.Tensor],
+    grad_row: Optional[torch.Tensor],
+    grad_col: Optional[torch.Tensor],
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    backend: str = "torch",
+    tile_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 ``(dq, dk, dscale)`` of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)``."""
+    if backend == "triton":
+        from ds_infcl.ops.triton_lse import lse_backward_triton
+
+        return lse_backward_triton(
+            query, key, scale, row_lse, col_lse, grad_row, grad_col,
+            labels=labels, exclude_positive=exclude_positive,
+        )
+    tile = tile_size or DEFAULT_TILE
+    return lse_backward_torch(
+        query, key, scale, row_lse, col_lse, grad_row, grad_col,
+        labels=labels, exclude_positive=exclude_positive, tile_b=tile, tile_m=tile,
+    )
+
+
+class TiledLSEFunction(torch.autograd.Function):
+    """``(row_lse, col_lse) = f(query, key, scale)`` with tile recomputation in backward.
+
+    Saves only ``query``, ``key``, ``labels`` and the two LSE vectors: O((b + m) * c).
+    ``col_lse`` is an empty tensor when ``compute_col`` is false.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size):
+        s = float(scale)
+        row, col = lse_forward(
+            query, key, s, labels=labels, exclude_positive=exclude_positive,
+            compute_col=compute_col, backend=backend, tile_size=tile_size,
+        )
+        if col is None:
+            col = row.new_empty((0,))
+        ctx.save_for_backward(query, key, labels, row, col)
+        ctx.scale = s
+        ctx.scale_shape = scale.shape
+        ctx.options = (exclude_positive, compute_col, backend, tile_size)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(col) if not compute_col else None
+        return row, col
+
+    @staticmethod
+    def backward(ctx, grad_row, grad_col):
+        query, key, labels, row, col = ctx.saved_tensors
+        exclude_positive, compute_col, backend, tile_size = ctx.options
+        if not compute_col:
+            grad_col = None
+        dq, dk, ds = lse_backward(
+            query, key, ctx.scale, row, col if compute_col else None, grad_row, grad_col,
+            labels=labels, exclude_positive=exclude_positive, backend=backend, tile_size=tile_size,
+        )
+        dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
+        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None
+
+
+def tiled_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Union[float, torch.Tensor],
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Differentiable single-device LSE op (no validation; see ``ds_infcl.loss.lse``)."""
+    backend = resolve_backend(backend, query.device)
+    if not torch.is_tensor(scale):
+        scale = torch.tensor(float(scale), device=query.device, dtype=torch.float32)
+    row, col = TiledLSEFunction.apply(
+        query, key, scale, labels, exclude_positive, compute_col, backend, tile_size
+    )
+    return row, (col if compute_col else None)

@@ -1,0 +1,155 @@
+"""Tiled log-sum-exp of contrastive logits in pure PyTorch (any device, linear memory).
+
+Maths (DESIGN.md section 2). For queries ``q [b, c]``, keys ``k [m, c]`` and scale ``s``, the
+logits are ``x_ij = s * q_i . k_j``; with ``exclude_positive`` the pair ``(i, labels_i)`` is left
+out (``x = -inf`` there). The forward returns
+
+    row_lse_i = log sum_j exp(x_ij)        col_lse_j = log sum_i exp(x_ij)
+
+one ``[tile_b, tile_m]`` tile at a time, merging tile results with ``logaddexp``. Given upstream
+gradients ``a_i = dL/d row_lse_i`` and ``b_j = dL/d col_lse_j`` the backward recomputes each tile
+once and forms
+
+    G_ij = a_i exp(x_ij - row_lse_i) + b_j exp(x_ij - col_lse_j)
+    dq_i = s * sum_j G_ij k_j     dk_j = s * sum_i G_ij q_i     ds = sum_i q_i . (sum_j G_ij k_j)
+
+so the scale gradient needs no extra pass. Everything accumulates in float32 whatever the input
+dtype. Memory is O((b + m) * c) plus O(tile_b * tile_m) scratch.
+
+These block functions are also the unit of work of the ring (``ds_infcl.loss``): ``row_lse`` and
+``col_lse`` passed to the backward may be the *global* statistics of a larger matrix of which
+``(q, k)`` is one block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["DEFAULT_TILE", "lse_forward_torch", "lse_backward_torch"]
+
+# A 2048 x 2048 float32 tile is 16 MiB: large enough for full-speed GEMMs on CPU and GPU, small
+# enough that the few tile-sized temporaries stay far below the inputs at large batch.
+DEFAULT_TILE = 2048
+
+
+def _positive_mask_coords(
+    labels: Optional[torch.Tensor], i0: int, i1: int, j0: int, j1: int
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Tile-local (row, col) coordinates of the excluded positives that fall in this tile."""
+    lab = labels[i0:i1]
+    hit = (lab >= j0) & (lab < j1)
+    rows = hit.nonzero(as_tuple=True)[0]
+    if rows.numel() == 0:
+        return None
+    return rows, lab[rows] - j0
+
+
+def _tile_logits(qf_tile, kf_tile, scale, labels, exclude_positive, i0, i1, j0, j1):
+    x = qf_tile @ kf_tile.T
+    x.mul_(scale)
+    if exclude_positive:
+        coords = _positive_mask_coords(labels, i0, i1, j0, j1)
+        if coords is not None:
+            x[coords] = float("-inf")
+    return x
+
+
+def _labels_or_diagonal(labels: Optional[torch.Tensor], b: int, device) -> torch.Tensor:
+    return torch.arange(b, device=device) if labels is None else labels.to(device=device, dtype=torch.long)
+
+
+def lse_forward_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+    tile_b: int = DEFAULT_TILE,
+    tile_m: int = DEFAULT_TILE,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row LSE ``[b]`` and (if ``compute_col``) column LSE ``[m]``, both float32.
+
+    A row or column whose every entry is excluded gets ``-inf``. Empty ``query`` or ``key`` give
+    ``-inf`` statistics of the right length (useful for ring blocks of size 0).
+    """
+    b, m = query.shape[0], key.shape[0]
+    device = query.device
+    row = torch.full((b,), float("-inf"), device=device, dtype=torch.float32)
+    col = torch.full((m,), float("-inf"), device=device, dtype=torch.float32) if compute_col else None
+    if b == 0 or m == 0:
+        return row, col
+    qf, kf = query.float(), key.float()
+    lab = _labels_or_diagonal(labels, b, device) if exclude_positive else None
+    for i0 in range(0, b, tile_b):
+        i1 = min(i0 + tile_b, b)
+        row_i = row[i0:i1]
+        for j0 in range(0, m, tile_m):
+            j1 = min(j0 + tile_m, m)
+            x = _tile_logits(qf[i0:i1], kf[j0:j1], scale, lab, exclude_positive, i0, i1, j0, j1)
+            torch.logaddexp(row_i, torch.logsumexp(x, dim=1), out=row_i)
+            if compute_col:
+                col_j = col[j0:j1]
+                torch.logaddexp(col_j, torch.logsumexp(x, dim=0), out=col_j)
+    return row, col
+
+
+def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    # A statistic of -inf means every entry of that row/column is excluded (x = -inf), so its
+    # probabilities must be 0: exp(-inf - 0) = 0, whereas exp(-inf - (-inf)) would be NaN.
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def lse_backward_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    row_lse: torch.Tensor,
+    col_lse: Optional[torch.Tensor],
+    grad_row: Optional[torch.Tensor],
+    grad_col: Optional[torch.Tensor],
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    tile_b: int = DEFAULT_TILE,
+    tile_m: int = DEFAULT_TILE,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum_i grad_row_i * row_lse_i + sum_j grad_col_j * col_lse_j``.
+
+    Returns ``(dq [b, c], dk [m, c], dscale [])``, all float32. ``grad_row`` / ``grad_col`` may be
+    ``None`` (zero); ``col_lse`` is only read when ``grad_col`` is given.
+    """
+    b, m, c = query.shape[0], key.shape[0], query.shape[1]
+    device = query.device
+    dq = torch.zeros((b, c), device=device, dtype=torch.float32)
+    dk = torch.zeros((m, c), device=device, dtype=torch.float32)
+    if b == 0 or m == 0 or (grad_row is None and grad_col is None):
+        return dq, dk, torch.zeros((), device=device, dtype=torch.float32)
+    qf, kf = query.float(), key.float()
+    lab = _labels_or_diagonal(labels, b, device) if exclude_positive else None
+    r = _finite_or_zero(row_lse.float()) if grad_row is not None else None
+    cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
+    a = grad_row.float() if grad_row is not None else None
+    bw = grad_col.float() if grad_col is not None else None
+    for i0 in range(0, b, tile_b):
+        i1 = min(i0 + tile_b, b)
+        q_i = qf[i0:i1]
+        for j0 in range(0, m, tile_m):
+            j1 = min(j0 + tile_m, m)
+            k_j = kf[j0:j1]
+            x = _tile_logits(q_i, k_j, scale, lab, exclude_positive, i0, i1, j0, j1)
+            if a is not None:
+                g = torch.exp(x - r[i0:i1, None]).mul_(a[i0:i1, None])
+                if bw is not None:
+                    g.add_(x.sub_(cl[None, j0:j1]).exp_().mul_(bw[None, j0:j1]))
+            else:
+                g = x.sub_(cl[None, j0:j1]).exp_().mul_(bw[None, j0:j1])
+            dq[i0:i1].addmm_(g, k_j)
+            dk[j0:j1].addmm_(g.T, q_i)
+    dscale = (qf * dq).sum()
+    dq.mul_(scale)
+    dk.mul_(scale)
+    return dq, dk, dscale
