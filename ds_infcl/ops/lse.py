@@ -137,7 +137,8 @@ class TiledLSEFunction(torch.autograd.Function):
         ctx.scale_shape = scale.shape
         ctx.options = (exclude_positive, compute_col, backend, tile_size)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(col) if not compute_col else None
+        if not compute_col:
+            ctx.mark_non_differentiable(col)
         return row, col
 
     @staticmethod
