@@ -67,7 +67,7 @@ def lse(
         group: process group of the data-parallel ranks (``None``: the default group if
             torch.distributed is initialized, else a single process). With more than one rank the
             key blocks travel around a ring.
-        tile_size: tile edge of the torch backend (default ``DEFAULT_TILE``).
+        tile_size: tile edge of the torch backend (default ``ds_infcl.ops.default_tile_size``).
         check_finite: raise on NaN/Inf features (costs one pass over the inputs).
 
     Returns:

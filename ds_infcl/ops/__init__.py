@@ -12,13 +12,14 @@ from ds_infcl.ops.lse import (
     tiled_lse,
 )
 from ds_infcl.ops.reference import contrastive_loss_reference, logits_reference, lse_reference
-from ds_infcl.ops.tiled import DEFAULT_TILE, lse_backward_torch, lse_forward_torch
+from ds_infcl.ops.tiled import DEFAULT_TILE, default_tile_size, lse_backward_torch, lse_forward_torch
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_TILE",
     "TiledLSEFunction",
     "contrastive_loss_reference",
+    "default_tile_size",
     "logits_reference",
     "lse_backward",
     "lse_backward_torch",

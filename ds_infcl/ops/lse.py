@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ds_infcl.ops.tiled import DEFAULT_TILE, lse_backward_torch, lse_forward_torch
+from ds_infcl.ops.tiled import default_tile_size, lse_backward_torch, lse_forward_torch
 
 __all__ = [
     "BACKENDS",
@@ -72,7 +72,7 @@ def lse_forward(
     """Float32 ``(row_lse [b], col_lse [m] or None)`` of ``scale * query @ key.T`` on one block.
 
     ``backend`` must already be resolved (``resolve_backend``). ``tile_size`` applies to the
-    torch backend; the Triton backend picks its own tiles.
+    torch backend (default ``default_tile_size``); the Triton backend picks its own tiles.
     """
     if backend == "triton":
         from ds_infcl.ops.triton_lse import lse_forward_triton
@@ -80,7 +80,7 @@ def lse_forward(
         return lse_forward_triton(
             query, key, scale, labels=labels, exclude_positive=exclude_positive, compute_col=compute_col
         )
-    tile = tile_size or DEFAULT_TILE
+    tile = tile_size or default_tile_size(query.device)
     return lse_forward_torch(
         query, key, scale, labels=labels, exclude_positive=exclude_positive,
         compute_col=compute_col, tile_b=tile, tile_m=tile,
@@ -109,7 +109,7 @@ def lse_backward(
             query, key, scale, row_lse, col_lse, grad_row, grad_col,
             labels=labels, exclude_positive=exclude_positive,
         )
-    tile = tile_size or DEFAULT_TILE
+    tile = tile_size or default_tile_size(query.device)
     return lse_backward_torch(
         query, key, scale, row_lse, col_lse, grad_row, grad_col,
         labels=labels, exclude_positive=exclude_positive, tile_b=tile, tile_m=tile,

@@ -27,11 +27,19 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["DEFAULT_TILE", "lse_forward_torch", "lse_backward_torch"]
+__all__ = ["DEFAULT_TILE", "default_tile_size", "lse_forward_torch", "lse_backward_torch"]
 
-# A 2048 x 2048 float32 tile is 16 MiB: large enough for full-speed GEMMs on CPU and GPU, small
-# enough that the few tile-sized temporaries stay far below the inputs at large batch.
-DEFAULT_TILE = 2048
+# Tile edges measured to be fastest: on CPU a 1024 x 1024 float32 tile (4 MiB) stays in cache
+# (1024: 0.36 s, 2048: 0.39 s, 4096: 0.73 s for b = m = 4096, c = 256, forward + backward, 2
+# cores); on GPUs larger tiles cut kernel launches, and 4096 x 4096 (64 MiB) is still far below
+# the inputs at the batch sizes where this path is used.
+DEFAULT_TILE = 1024
+DEFAULT_TILE_CUDA = 4096
+
+
+def default_tile_size(device: torch.device) -> int:
+    """Tile edge used when none is given: ``DEFAULT_TILE`` on CPU, ``DEFAULT_TILE_CUDA`` on GPUs."""
+    return DEFAULT_TILE_CUDA if device.type == "cuda" else DEFAULT_TILE
 
 
 def _positive_mask_coords(

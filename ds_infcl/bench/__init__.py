@@ -1,0 +1,1 @@
+"""Benchmark tools (run on purpose, never timed asserts in the test suite)."""
