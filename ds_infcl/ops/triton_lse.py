@@ -1,0 +1,494 @@
+"""Triton kernels of the contrastive LSE op: one pass forward, one recompute backward.
+
+Maths (DESIGN.md section 2). Logits ``x_ij = s * q_i . k_j`` for queries ``q [b, c]`` and keys
+``k [m, c]``; with ``exclude_positive`` the pair ``(i, labels_i)`` is ``-inf``.
+
+    forward    row_lse_i = log sum_j exp(x_ij)            col_lse_j = log sum_i exp(x_ij)
+    backward   G_ij = a_i exp(x_ij - row_lse_i) + b_j exp(x_ij - col_lse_j)
+               dq = s * G @ k        dk = s * G^T @ q        ds = sum_ij G_ij (q_i . k_j)
+
+with ``a = dL/d row_lse`` and ``b = dL/d col_lse`` (either may be absent). A statistic of ``-inf``
+(every entry of that row/column excluded) gives probability 0, never NaN.
+
+Kernels and launchers, in reading order:
+
+* ``_lse_fwd_kernel``: a persistent grid of ``G x S`` programs. Program ``(g, s)`` walks the
+  query blocks ``g, g + G, g + 2G, ...`` and, for each, the key blocks of split ``s``. Each
+  ``[BLOCK_M, BLOCK_N]`` tile is one GEMM (fp32 accumulation, K-loop over ``c``) whose epilogue
+  updates the running row statistics (registers) *and* the column LSE of the tile, merged into
+  the program's own row of a ``[G, m]`` buffer (read-modify-write without atomics: no other program
+  touches that slot). Row results land in a ``[S, b]`` buffer. Both buffers are merged with
+  ``logsumexp`` on the host. Scratch is ``(G m + S b)`` floats with ``G * S`` about 2 programs per
+  SM, so it stays linear in ``b + m`` (never ``b * m / tile``), and splitting the keys into ``S``
+  parts keeps a small ``b`` (1,024) busy on every SM.
+* ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
+  pre-scaled by a power of two so fp16 does not underflow) for a bounded block of
+  ``CHUNK_ROWS x CHUNK_COLS`` pairs, plus the per-tile partial sums of ``G * (q . k)`` that give
+  ``ds``. The two remaining products ``dq += G @ k`` and ``dk += G^T @ q`` of that block run on
+  the vendor GEMM (``torch.mm``) with fp32 accumulation and fp32 output. Why not accumulate
+  ``dq``/``dk`` inside the tile kernel: with ``c`` up to 1,024 neither ``[BLOCK, c]`` accumulator
+  fits in registers, so a fused kernel must add ``(BLOCK_M + BLOCK_N) * c`` fp32 values to global
+  memory per tile (atomics or read-modify-write), 137 GB of traffic at b = m = 65,536, c = 512
+  with 128 x 128 tiles, against ~30 GB (write ``G`` once, read it twice) for the chunked form. See
+  docs/kernels.md for the measured comparison.
+
+fp32 inputs use full-precision fp32 dot products unless ``DS_INFCL_ALLOW_TF32=1`` is set in the
+environment (then ``tl.dot`` uses TF32; the backward ``torch.mm`` products follow
+``torch.backends.cuda.matmul.allow_tf32`` as usual). Under ``TRITON_INTERPRET=1`` (CPU tests)
+bf16 operands are upcast to fp32 before ``tl.dot``, which the interpreter gets wrong otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lse_forward_triton", "lse_backward_triton", "allow_tf32"]
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+# Backward scratch: the block of G written at once is at most CHUNK_ROWS x CHUNK_COLS elements
+# (8192 x 8192 in bf16 = 128 MiB). Square blocks minimise the fp32 read-modify-write of dq/dk
+# ((1/CHUNK_ROWS + 1/CHUNK_COLS) * 8 b m c bytes in total) and give the two GEMMs enough output
+# tiles (8192 x c) to fill the GPU. Tests shrink these to exercise several blocks.
+CHUNK_ROWS = 8192
+CHUNK_COLS = 8192
+# fp32 G costs twice the bytes: halve the rows to keep the same scratch.
+CHUNK_ROWS_FP32 = 4096
+
+
+def allow_tf32() -> bool:
+    """True when fp32 inputs may use TF32 dot products (``DS_INFCL_ALLOW_TF32=1``)."""
+    return os.environ.get("DS_INFCL_ALLOW_TF32", "0") == "1"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``q @ k^T`` (K-loop over the feature dim)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_k[None, :]
+    k_ptrs = k_ptr + offs_n.to(tl.int64)[:, None] * stride_k + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, c, BLOCK_K):
+        if EVEN_K:
+            qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            kt = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < c
+            qt = tl.load(q_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            kt = tl.load(k_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            kt = kt.to(tl.float32)
+        if TF32:
+            acc = tl.dot(qt, tl.trans(kt), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(qt, tl.trans(kt), acc, input_precision="ieee")
+        q_ptrs += BLOCK_K
+        k_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
+    """Logits ``acc * scale`` rounded once to fp32, never contracted into a later FMA: forward and
+    backward must see bit-identical logits, or at |x| ~ 1e3 a probability near 1 would be off by
+    ~1e-4 (the LSE of a row dominated by one logit is that very logit)."""
+    if EXACT_MUL:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r",
+            [acc, tl.full(acc.shape, scale, tl.float32)],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )
+    else:
+        return acc * scale
+
+
+@triton.jit
+def _lse_fwd_kernel(
+    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_part_ptr,
+    b, m, c, stride_q, stride_k, scale,
+    num_qblocks, kblocks_per_split, num_kblocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_COL: tl.constexpr,
+):
+    """Partial LSEs: ``row_part[s, i]`` over split ``s``, ``col_part[g, j]`` over group ``g``."""
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_g = tl.num_programs(0)
+    kb_lo = pid_s * kblocks_per_split
+    kb_hi = tl.minimum(kb_lo + kblocks_per_split, num_kblocks)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    for qb in range(pid_g, num_qblocks, num_g):
+        offs_m = qb * BLOCK_M + arange_m
+        row_ok = offs_m < b
+        if EXCLUDE:
+            if HAS_LABELS:
+                lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+            else:
+                lab = offs_m
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            offs_n = kb * BLOCK_N + arange_n
+            col_ok = offs_n < m
+            acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TF32, UPCAST)
+            valid = row_ok[:, None] & col_ok[None, :]
+            if EXCLUDE:
+                valid = valid & (offs_n[None, :] != lab[:, None])
+            x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
+            # Rows: online log-sum-exp across the key blocks of this split.
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2((m_i - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe[:, None]) * LOG2E), axis=1)
+            m_i = m_new
+            if COMPUTE_COL:
+                # Columns: LSE of this tile, merged into this program's slot (no other program
+                # writes col_part[pid_g, offs_n]).
+                c_max = tl.max(x, axis=0)
+                c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)
+                c_sum = tl.sum(tl.exp2((x - c_safe[None, :]) * LOG2E), axis=0)
+                t_lse = tl.where(c_sum > 0.0, c_safe + tl.log(tl.where(c_sum > 0.0, c_sum, 1.0)), float("-inf"))
+                slot = col_part_ptr + pid_g.to(tl.int64) * m + offs_n
+                old = tl.load(slot, mask=col_ok, other=float("-inf"))
+                hi = tl.maximum(old, t_lse)
+                lo = tl.minimum(old, t_lse)
+                hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
+                tl.store(slot, hi + tl.log(1.0 + tl.exp2((lo - hi_safe) * LOG2E)), mask=col_ok)
+        row_lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(row_part_ptr + pid_s.to(tl.int64) * b + offs_m, row_lse, mask=row_ok)
+
+
+@triton.jit
+def _lse_bwd_g_kernel(
+    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, g_ptr, ds_ptr,
+    i0, j0, rows, cols, c, stride_q, stride_k, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
+):
+    """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
+    ``[rows, cols]`` at ``g_ptr``, and its partial ``sum(G * q.k)`` at ``ds_ptr[tile]``.
+
+    ``r_ptr`` / ``cl_ptr`` hold the LSEs with -inf already replaced by 0. The logits are rounded
+    exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    loc_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    loc_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = loc_m < rows
+    col_ok = loc_n < cols
+    offs_m = i0 + loc_m
+    offs_n = j0 + loc_n
+    acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TF32, UPCAST)
+    in_bounds = row_ok[:, None] & col_ok[None, :]
+    valid = in_bounds
+    if EXCLUDE:
+        if HAS_LABELS:
+            lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+        else:
+            lab = offs_m
+        valid = valid & (offs_n[None, :] != lab[:, None])
+    x = _scaled(acc, scale, EXACT_MUL)
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if HAS_ROW:
+        r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
+        a = tl.load(a_ptr + offs_m, mask=row_ok, other=0.0)
+        g += a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
+    if HAS_COL:
+        cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
+        w = tl.load(w_ptr + offs_n, mask=col_ok, other=0.0)
+        g += w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
+    g = tl.where(valid, g, 0.0)
+    tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(g * acc, axis=1), axis=0))
+    g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
+    tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration (documented heuristic, see docs/kernels.md)
+# --------------------------------------------------------------------------------------------
+
+
+class _Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Programs the forward keeps in flight per SM (its grid is persistent).
+PROGRAMS_PER_SM = 2
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few programs, enough to exercise the splits and groups
+
+
+def _env_config(name: str) -> Optional[_Config]:
+    """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages" overrides (for tuning sweeps)."""
+    val = os.environ.get(name)
+    if not val:
+        return None
+    return _Config(*[int(v) for v in val.split(",")])
+
+
+def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: torch.device) -> _Config:
+    """Tiles for Hopper (H100/H200), measured in docs/kernels.md; correct on any CUDA GPU.
+
+    128 x 128 tiles with a 64-wide K step (32 for fp32, whose operands take twice the shared
+    memory), 8 warps, 3 pipeline stages; 64 x 64 tiles with 4 warps when the problem has fewer
+    128-tiles than two per SM (small per-rank batches). The interpreter gets 32 x 32 tiles so
+    that small test shapes still span several tiles.
+    """
+    env = _env_config("DS_INFCL_TRITON_" + kind.upper())
+    if env is not None:
+        return env
+    if device.type != "cuda":
+        return _Config(32, 32, 32, 4, 1)
+    bk = 32 if dtype == torch.float32 else 64
+    tiles = triton.cdiv(b, 128) * triton.cdiv(m, 128)
+    if tiles < 2 * _num_sms(device):
+        return _Config(64, 64, bk, 4, 3)
+    return _Config(128, 128, bk, 8, 3)
+
+
+def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
+    return dict(
+        EVEN_K=(c % block_k == 0),
+        TF32=(query.dtype == torch.float32 and allow_tf32()),
+        UPCAST=(query.dtype == torch.bfloat16 and _interpreting()),
+        EXACT_MUL=(query.device.type == "cuda"),
+    )
+
+
+def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    if query.dim() != 2 or key.dim() != 2 or query.shape[1] != key.shape[1]:
+        raise ValueError(f"query [b, c] and key [m, c] expected, got {tuple(query.shape)} and {tuple(key.shape)}")
+    if query.dtype != key.dtype or query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"query and key must share one dtype of float32, float16, bfloat16; got {query.dtype} and {key.dtype}"
+        )
+    return query.contiguous(), key.contiguous()
+
+
+def _labels_arg(query: torch.Tensor, labels: Optional[torch.Tensor], exclude_positive: bool):
+    if exclude_positive and labels is not None:
+        return labels.to(device=query.device, dtype=torch.int32).contiguous(), True
+    return query, False  # unused pointer
+
+
+# --------------------------------------------------------------------------------------------
+# Forward launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _forward_grid(num_qblocks: int, num_kblocks: int, b: int, m: int, programs: int) -> Tuple[int, int]:
+    """``(G, S)``: query groups x key splits, about ``programs`` in all, minimising the scratch
+    ``G * m + S * b`` (optimum ``G / S = b / m``) within the block counts."""
+    programs = max(1, min(programs, num_qblocks * num_kblocks))
+    splits = max(1, min(num_kblocks, round(math.sqrt(programs * m / max(b, 1)))))
+    groups = max(1, min(num_qblocks, triton.cdiv(programs, splits)))
+    splits = max(1, min(num_kblocks, triton.cdiv(programs, groups)))
+    return groups, splits
+
+
+def lse_forward_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row LSE ``[b]`` and (if ``compute_col``) column LSE ``[m]``, float32, from one pass.
+
+    Same contract as ``ds_infcl.ops.tiled.lse_forward_torch``: all-excluded rows/columns and empty
+    inputs give ``-inf``.
+    """
+    query, key = _check_inputs(query, key)
+    b, c = query.shape
+    m = key.shape[0]
+    device = query.device
+    if b == 0 or m == 0 or c == 0:  # no GEMM to run: the tiled path handles the corner cases
+        from ds_infcl.ops.tiled import lse_forward_torch
+
+        return lse_forward_torch(query, key, scale, labels=labels, exclude_positive=exclude_positive,
+                                 compute_col=compute_col)
+    cfg = _pick_config("fwd", b, m, c, query.dtype, device)
+    num_qblocks = triton.cdiv(b, cfg.block_m)
+    num_kblocks = triton.cdiv(m, cfg.block_n)
+    groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, PROGRAMS_PER_SM * _num_sms(device))
+    kblocks_per_split = triton.cdiv(num_kblocks, splits)
+    splits = triton.cdiv(num_kblocks, kblocks_per_split)
+    row_part = torch.empty((splits, b), device=device, dtype=torch.float32)
+    if compute_col:
+        col_part = torch.full((groups, m), float("-inf"), device=device, dtype=torch.float32)
+    else:
+        col_part = row_part  # unused pointer
+    lab, has_labels = _labels_arg(query, labels, exclude_positive)
+    _lse_fwd_kernel[(groups, splits)](
+        query, key, lab, row_part, col_part,
+        b, m, c, query.stride(0), key.stride(0), float(scale),
+        num_qblocks, kblocks_per_split, num_kblocks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_kernel_flags(query, c, cfg.block_k),
+    )
+    row = _merge(row_part)
+    col = _merge(col_part) if compute_col else None
+    return row, col
+
+
+def _merge(part: torch.Tensor) -> torch.Tensor:
+    """LSE over dim 0 of partial LSEs (``-inf`` rows stay ``-inf``)."""
+    if part.shape[0] == 1:
+        return part[0]
+    return torch.logsumexp(part, dim=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward launcher
+# --------------------------------------------------------------------------------------------
+
+_ADDMM_OUT_DTYPE: Optional[bool] = None  # does torch.addmm(..., out_dtype=float32, out=acc) work here?
+
+
+def _addmm_out_dtype_works(device: torch.device) -> bool:
+    global _ADDMM_OUT_DTYPE
+    if _ADDMM_OUT_DTYPE is None:
+        try:
+            a = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
+            w = torch.randn(32, 16, device=device, dtype=torch.bfloat16)
+            acc = torch.randn(64, 16, device=device, dtype=torch.float32)
+            want = acc + a.float() @ w.float()
+            torch.addmm(acc, a, w, out_dtype=torch.float32, out=acc)
+            _ADDMM_OUT_DTYPE = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE = False
+    return _ADDMM_OUT_DTYPE
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    """``acc += a @ w`` with fp32 accumulation and fp32 ``acc`` whatever the dtype of ``a``, ``w``."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, w)
+    elif acc.device.type == "cuda" and _addmm_out_dtype_works(acc.device):
+        torch.addmm(acc, a, w, out_dtype=torch.float32, out=acc)
+    elif acc.device.type == "cuda":
+        acc.add_(torch.mm(a, w, out_dtype=torch.float32))
+    else:
+        acc.addmm_(a.float(), w.float())
+
+
+def _grad_scale(*weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """Power of two that brings the largest upstream weight to ~1 (no host sync): keeps G in the
+    fp16 range (its entries are weights times probabilities <= 1, and 1/B underflows fp16 fast)."""
+    mx = torch.stack([w.abs().max() for w in weights if w is not None and w.numel()]).max()
+    mx = torch.where(torch.isfinite(mx) & (mx > 0), mx, torch.ones_like(mx))
+    return torch.exp2(-torch.ceil(torch.log2(mx)))
+
+
+def lse_backward_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: float,
+    row_lse: torch.Tensor,
+    col_lse: Optional[torch.Tensor],
+    grad_row: Optional[torch.Tensor],
+    grad_col: Optional[torch.Tensor],
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [b, c], dk [m, c], dscale [])`` float32 of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)``.
+
+    ``row_lse`` / ``col_lse`` may be global statistics of a larger matrix (ring blocks); each
+    tile is recomputed once. Scratch: one ``CHUNK_ROWS x CHUNK_COLS`` block of ``G``.
+    """
+    query, key = _check_inputs(query, key)
+    b, c = query.shape
+    m = key.shape[0]
+    device = query.device
+    dq = torch.zeros((b, c), device=device, dtype=torch.float32)
+    dk = torch.zeros((m, c), device=device, dtype=torch.float32)
+    dscale = torch.zeros((), device=device, dtype=torch.float32)
+    has_row, has_col = grad_row is not None, grad_col is not None
+    if b == 0 or m == 0 or c == 0 or not (has_row or has_col):
+        return dq, dk, dscale
+    gs = _grad_scale(grad_row, grad_col)
+    r2 = a = cl2 = w = dscale  # placeholders for absent directions (never read)
+    if has_row:
+        r2 = _finite_or_zero(row_lse.float()).contiguous()
+        a = (grad_row.float() * gs).contiguous()
+    if has_col:
+        cl2 = _finite_or_zero(col_lse.float()).contiguous()
+        w = (grad_col.float() * gs).contiguous()
+    lab, has_labels = _labels_arg(query, labels, exclude_positive)
+    cfg = _pick_config("bwd", b, m, c, query.dtype, device)
+    flags = _kernel_flags(query, c, cfg.block_k)
+    # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
+    # interpreter, whose bf16 dot is wrong.
+    g_dtype = torch.float32 if flags["UPCAST"] else query.dtype
+    chunk_rows = min(b, CHUNK_ROWS_FP32 if g_dtype == torch.float32 else CHUNK_ROWS)
+    chunk_cols = min(m, CHUNK_COLS)
+    g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
+    max_tiles = triton.cdiv(chunk_rows, cfg.block_m) * triton.cdiv(chunk_cols, cfg.block_n)
+    ds_buf = torch.empty(max_tiles, device=device, dtype=torch.float32)
+    for i0 in range(0, b, chunk_rows):
+        rows = min(chunk_rows, b - i0)
+        q_blk = query[i0:i0 + rows]
+        for j0 in range(0, m, chunk_cols):
+            cols = min(chunk_cols, m - j0)
+            grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
+            g = g_buf[: rows * cols].view(rows, cols)
+            _lse_bwd_g_kernel[grid](
+                query, key, lab, r2, a, cl2, w, g, ds_buf,
+                i0, j0, rows, cols, c, query.stride(0), key.stride(0), float(scale),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            )
+            dscale += ds_buf[: grid[0] * grid[1]].sum()
+            k_blk = key[j0:j0 + cols]
+            if flags["UPCAST"]:
+                k_blk, q_op = k_blk.float(), q_blk.float()
+            else:
+                q_op = q_blk
+            _addmm_f32(dq[i0:i0 + rows], g, k_blk)
+            _addmm_f32(dk[j0:j0 + cols], g.t(), q_op)
+    inv = 1.0 / gs
+    dq.mul_(inv * scale)
+    dk.mul_(inv * scale)
+    return dq, dk, dscale * inv
+
+
+def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    # -inf (every entry excluded) must give probability 0: exp2(-inf - 0) = 0, not NaN.
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))

@@ -1,0 +1,213 @@
+"""The Triton kernels (under TRITON_INTERPRET=1 on CPU) against the float64 reference.
+
+fp32: within 1e-5 relative, or twice plain float32 PyTorch's own error where the problem is
+ill-conditioned in float32 (scale 100 on unnormalized features). fp16: within twice the error of
+plain PyTorch in fp16 (``lse_reference(upcast=False)``) plus a small floor. bf16 is left to the
+GPU script (tests/gpu/test_triton_gpu.py): the interpreter's bf16 dot is wrong.
+
+The interpreter runs 32 x 32 tiles at ~1 ms each, so shapes stay small but odd: b = 1, sizes not
+multiples of the tile, b != m, c in {3, 72}; backward blocks and forward splits are shrunk so that
+several of each are exercised.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ds_infcl.ops import lse_reference, tiled_lse
+
+triton_lse = pytest.importorskip("ds_infcl.ops.triton_lse")
+
+if os.environ.get("TRITON_INTERPRET", "0") != "1":  # pragma: no cover - set by tests/conftest.py
+    pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
+
+FP32_RTOL = 1e-5
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    # Several backward blocks (with ragged edges) and forward groups/splits at test sizes.
+    monkeypatch.setattr(triton_lse, "CHUNK_ROWS", 40)
+    monkeypatch.setattr(triton_lse, "CHUNK_ROWS_FP32", 40)
+    monkeypatch.setattr(triton_lse, "CHUNK_COLS", 48)
+
+
+def _features(b, m, c, *, normalize=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, c, generator=g, dtype=torch.float64)
+    k = torch.randn(m, c, generator=g, dtype=torch.float64)
+    if normalize:
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    return q, k
+
+
+def _labels(b, m, seed=1):
+    return torch.randint(0, m, (b,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(x, ref):
+    x, ref = x.double(), ref.double()
+    floor = 1e-6 * ref.numel() ** 0.5 / FP32_RTOL  # reference exactly 0 (e.g. m = 1)
+    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
+
+
+def _bound(dtype, plain_err):
+    if dtype == torch.float32:
+        return max(FP32_RTOL, 2 * plain_err)
+    return 2 * plain_err + 1e-4
+
+
+def _finite(v):
+    return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+
+
+def _op_and_grads(q, k, scale, w_row, w_col, *, labels, exclude_positive, upcast, dtype):
+    """LSE vectors and gradients of ``sum(w_row * row) + sum(w_col * col)`` by autograd on the
+    materialized reference, in float64 (``upcast``) or plainly in ``dtype``."""
+    work = torch.float64 if upcast else dtype
+    qq = q.detach().to(work).clone().requires_grad_()
+    kk = k.detach().to(work).clone().requires_grad_()
+    ss = torch.tensor(scale, dtype=torch.float64 if upcast else torch.float32, requires_grad=True)
+    row, col = lse_reference(qq, kk, ss, labels=labels, exclude_positive=exclude_positive, upcast=upcast)
+    obj = torch.zeros((), dtype=torch.float64)
+    if w_row is not None:
+        obj = obj + (_finite(row).double() * w_row).sum()
+    if w_col is not None:
+        obj = obj + (_finite(col).double() * w_col).sum()
+    obj.backward()
+    return row.detach(), col.detach(), qq.grad, kk.grad, ss.grad
+
+
+def _check(b, m, c, dtype, *, scale=14.3, labels=None, exclude_positive=False, normalize=True,
+           w_row=True, w_col=True, seed=0, external_stats=False):
+    q, k = _features(b, m, c, normalize=normalize, seed=seed)
+    q, k = q.to(dtype), k.to(dtype)  # the reference sees exactly the tested inputs
+    g = torch.Generator().manual_seed(seed + 10)
+    wr = torch.randn(b, generator=g, dtype=torch.float64) * 0.7 if w_row else None
+    wc = torch.randn(m, generator=g, dtype=torch.float64) * 1.3 if w_col else None
+    opts = dict(labels=labels, exclude_positive=exclude_positive)
+    ref = _op_and_grads(q, k, scale, wr, wc, upcast=True, dtype=dtype, **opts)
+    plain = _op_and_grads(q, k, scale, wr, wc, upcast=False, dtype=dtype, **opts)
+
+    row, col = triton_lse.lse_forward_triton(q, k, scale, **opts)
+    assert row.dtype == col.dtype == torch.float32 and row.shape == (b,) and col.shape == (m,)
+    for name, got, p, r in (("row_lse", row, plain[0], ref[0]), ("col_lse", col, plain[1], ref[1])):
+        assert torch.equal(torch.isinf(got), torch.isinf(r)), name
+        fin = torch.isfinite(r)
+        if fin.any():
+            err, bound = _rel(got[fin], r[fin]), _bound(dtype, _rel(p[fin], r[fin]))
+            assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e}"
+
+    # The backward takes the statistics of the forward (as the autograd Function does) or, as
+    # in the ring, statistics computed elsewhere (here the float64 ones).
+    stats = (ref[0].float(), ref[1].float()) if external_stats else (row, col)
+    dq, dk, ds = triton_lse.lse_backward_triton(
+        q, k, scale, *stats,
+        None if wr is None else wr.float(), None if wc is None else wc.float(), **opts,
+    )
+    assert dq.dtype == dk.dtype == ds.dtype == torch.float32 and ds.dim() == 0
+    for name, got, p, r in (("dquery", dq, plain[2], ref[2]), ("dkey", dk, plain[3], ref[3]),
+                            ("dscale", ds, plain[4], ref[4])):
+        assert torch.isfinite(got).all(), name
+        err, bound = _rel(got, r), _bound(dtype, _rel(p, r))
+        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (plain {_rel(p, r):.2e})"
+
+
+# (b, m, c): b = 1; sizes off the 32-tile; b != m both ways; c = 3 and 72 (not multiples of BK).
+SHAPES = [(1, 1, 3), (1, 7, 72), (7, 1, 3), (37, 53, 72), (70, 33, 3), (33, 100, 72)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,m,c", SHAPES)
+def test_both_directions_match_fp64(b, m, c, dtype):
+    _check(b, m, c, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,m", [(1, 1), (5, 1), (37, 53), (70, 33)])
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_exclude_positive(b, m, dtype, with_labels):
+    if not with_labels and m < b:
+        pytest.skip("diagonal positives need m >= b")
+    labels = _labels(b, m) if with_labels else None
+    _check(b, m, 72, dtype, labels=labels, exclude_positive=True, normalize=False, scale=3.0, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_with_external_statistics(dtype):
+    _check(33, 100, 72, dtype, external_stats=True, labels=_labels(33, 100), exclude_positive=True)
+
+
+@pytest.mark.parametrize("w_row,w_col", [(True, False), (False, True)])
+def test_one_direction_upstream(w_row, w_col):
+    _check(37, 53, 72, torch.float32, labels=_labels(37, 53), exclude_positive=True, w_row=w_row, w_col=w_col)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_100_unnormalized(dtype):
+    # Logits reach the thousands (fp32) / hundreds (fp16): LSE must stay finite and exact.
+    _check(45, 38, 72, dtype, scale=100.0, normalize=False, labels=_labels(45, 38), seed=4)
+
+
+def test_all_excluded_row_and_column_give_zero_probability():
+    # b = m = 1 with the positive excluded: both LSEs are -inf and every gradient is 0, not NaN.
+    q, k = _features(1, 1, 72)
+    row, col = triton_lse.lse_forward_triton(q.float(), k.float(), 5.0, exclude_positive=True)
+    assert torch.isneginf(row).all() and torch.isneginf(col).all()
+    dq, dk, ds = triton_lse.lse_backward_triton(
+        q.float(), k.float(), 5.0, row, col, torch.ones(1), torch.ones(1), exclude_positive=True
+    )
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk)) and ds.item() == 0.0
+
+
+def test_row_only_forward_and_no_upstream_backward():
+    q, k = _features(37, 53, 72)
+    row, col = triton_lse.lse_forward_triton(q.float(), k.float(), 2.0, compute_col=False)
+    assert col is None
+    assert _rel(row, lse_reference(q, k, 2.0)[0]) <= FP32_RTOL
+    dq, dk, ds = triton_lse.lse_backward_triton(q.float(), k.float(), 2.0, row, None, None, None)
+    assert not dq.any() and not dk.any() and ds.item() == 0.0
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 16])
+def test_forward_grid_does_not_change_the_result(monkeypatch, programs_per_sm):
+    # Other numbers of query groups x key splits merge to the same statistics.
+    q, k = _features(70, 100, 3, normalize=False, seed=5)
+    base = triton_lse.lse_forward_triton(q.float(), k.float(), 4.0)
+    monkeypatch.setattr(triton_lse, "PROGRAMS_PER_SM", programs_per_sm)
+    other = triton_lse.lse_forward_triton(q.float(), k.float(), 4.0)
+    ref = lse_reference(q, k, 4.0)
+    for got, want, r in zip(other, base, ref):
+        assert _rel(got, r) <= FP32_RTOL and _rel(got, want) <= FP32_RTOL
+
+
+def test_autograd_function_with_triton_backend():
+    # The differentiable op (ds_infcl.ops.tiled_lse) on backend="triton", upstream grads != 1.
+    q, k = _features(37, 53, 72, seed=6)
+    labels = _labels(37, 53)
+    ref = _op_and_grads(q, k, 7.0, torch.full((37,), -2.5, dtype=torch.float64),
+                        torch.full((53,), 0.4, dtype=torch.float64), labels=labels,
+                        exclude_positive=True, upcast=True, dtype=torch.float32)
+    qt, kt = q.float().requires_grad_(), k.float().requires_grad_()
+    st = torch.tensor(7.0, requires_grad=True)
+    row, col = tiled_lse(qt, kt, st, labels=labels, exclude_positive=True, backend="triton")
+    ((row * -2.5).sum() + (col * 0.4).sum()).backward()
+    for got, want in ((row, ref[0]), (col, ref[1]), (qt.grad, ref[2]), (kt.grad, ref[3]), (st.grad, ref[4])):
+        assert _rel(got, want) <= FP32_RTOL
+
+
+def test_tf32_flag_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("DS_INFCL_ALLOW_TF32", raising=False)
+    assert not triton_lse.allow_tf32()
+    monkeypatch.setenv("DS_INFCL_ALLOW_TF32", "1")
+    assert triton_lse.allow_tf32()
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError, match="share one dtype"):
+        triton_lse.lse_forward_triton(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16), 1.0)
+    with pytest.raises(ValueError, match=r"query \[b, c\]"):
+        triton_lse.lse_forward_triton(torch.zeros(2, 3), torch.zeros(2, 4), 1.0)
