@@ -49,4 +49,5 @@ def get_loss_impl(name: str) -> Callable:
 
 def _load_builtin() -> None:
     # Importing the modules registers their implementations.
+    import ds_infcl.loss.baselines  # noqa: F401
     import ds_infcl.loss.functional  # noqa: F401

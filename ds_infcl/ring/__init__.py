@@ -1,8 +1,34 @@
 """Communication only: ring schedule, P2P exchange, size/metadata exchange (DESIGN.md section 4).
 
-Imports torch.distributed through the group it is given; never ops, never models.
+Imports torch.distributed through the group it is given; never ops, never models, never
+deepspeed (:func:`default_group` only looks at ``sys.modules``).
+
+- ``groups``: ``group=None`` resolution (DeepSpeed's data-parallel group when set up), sizes,
+  ranks, global peer ranks.
+- ``layout``: the per-call size/metadata exchange and cross-rank check (:class:`RingLayout`).
+- ``p2p``: raw async ring shift (post before compute, wait after).
+- ``collectives``: autograd-aware collectives (global loss from shares, all-gather with grad).
 """
 
-from ds_infcl.ring.groups import group_rank, group_size
+from ds_infcl.ring.collectives import all_gather_nograd, all_gather_with_grad, global_sum_with_grad
+from ds_infcl.ring.groups import default_group, global_rank, group_rank, group_size, resolve_group
+from ds_infcl.ring.layout import PROTOCOLS, RingLayout, comm_device, exchange_layout
+from ds_infcl.ring.p2p import post_ring_shift, ring_shift, wait_all
 
-__all__ = ["group_rank", "group_size"]
+__all__ = [
+    "PROTOCOLS",
+    "RingLayout",
+    "all_gather_nograd",
+    "all_gather_with_grad",
+    "comm_device",
+    "default_group",
+    "exchange_layout",
+    "global_rank",
+    "global_sum_with_grad",
+    "group_rank",
+    "group_size",
+    "post_ring_shift",
+    "resolve_group",
+    "ring_shift",
+    "wait_all",
+]

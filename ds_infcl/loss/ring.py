@@ -1,0 +1,243 @@
+"""Inf-CL across ranks: the ring of key blocks (DESIGN.md section 4).
+
+Each rank keeps its queries ``Q_r [b_r, c]``; key blocks ``K_o [m_o, c]`` travel around the ring
+of ``group``. At step ``t`` rank ``r`` holds the block of rank ``o = (r - t) mod W``; the exchange
+of the next block is posted before the current one is computed and waited for after.
+
+Forward (``W`` steps, ``W - 1`` key hops, one final hop of column statistics)::
+
+    row_r  = logaddexp over blocks o of row_lse(Q_r, K_o)          (stays on rank r)
+    col_o  = logaddexp over ranks r of col_lse(Q_r, K_o)           (travels with K_o, ends at o)
+
+The partial column statistics of a block follow it one hop behind the keys (they are only known
+after the block is computed), so they ride on the next step's exchange; after the last step one
+small hop brings each complete ``col_o`` home. Only the own block excludes the positive.
+
+Backward, with upstream ``a_r = dL/d row_r`` and ``b_o = dL/d col_o``: key blocks travel again
+together with ``[col_o, b_o]``; each rank forms ``G = a P + b P'`` on (Q_r, K_o) with the *global*
+statistics, adds ``s G K_o`` into its local ``dq`` and passes the fp32 ``dk`` accumulator of the
+block along (one hop behind, like the column statistics) until it arrives at the owner. The
+scale gradient of rank ``r`` is the sum of its block ``dscale`` (its share of the total).
+
+Gradient semantics: ``ring_lse`` returns to rank ``r`` the gradient of ``sum over ranks`` of the
+objectives each rank built on its outputs. The InfoNCE built here (``ring_infonce``) is the sum
+of per-rank shares, turned into the global value by ``global_sum_with_grad``, whose backward
+multiplies by ``W``: after the data-parallel mean every gradient equals the single-device one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ds_infcl.loss.functional import compose_infonce, positive_logits
+from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
+from ds_infcl.ring import (
+    RingLayout,
+    exchange_layout,
+    global_sum_with_grad,
+    post_ring_shift,
+    resolve_group,
+    wait_all,
+)
+
+__all__ = ["RingLSEFunction", "ring_lse", "ring_infonce"]
+
+_F32 = torch.float32
+
+
+def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
+                  layout: RingLayout, group):
+    b, c = query.shape
+    row = torch.full((b,), float("-inf"), device=query.device, dtype=_F32)
+    cur_key, col_acc = key, None
+    for t in range(layout.world):
+        owner, nxt = layout.block_owner(t), layout.block_owner(t + 1)
+        send, recv = [], []
+        next_key = col_in = None
+        if t < layout.world - 1:
+            next_key = key.new_empty((layout.key_sizes[nxt], c))
+            send.append(cur_key)
+            recv.append(next_key)
+        if compute_col and t > 0:
+            col_in = torch.empty((layout.key_sizes[owner],), device=key.device, dtype=_F32)
+            send.append(col_acc)
+            recv.append(col_in)
+        works = post_ring_shift(send, recv, layout, group)
+        own = owner == layout.rank
+        row_t, col_t = lse_forward(
+            query, cur_key, scale, labels=labels if own else None,
+            exclude_positive=exclude_positive and own, compute_col=compute_col,
+            backend=backend, tile_size=tile_size,
+        )
+        torch.logaddexp(row, row_t, out=row)
+        wait_all(works)
+        if compute_col:
+            col_acc = col_t if col_in is None else torch.logaddexp(col_t, col_in)
+        if next_key is not None:
+            cur_key = next_key
+    col = None
+    if compute_col:
+        if layout.world == 1:
+            col = col_acc
+        else:  # col_acc now holds the complete statistics of rank (r + 1)'s block: send it home
+            col = torch.empty((layout.key_sizes[layout.rank],), device=key.device, dtype=_F32)
+            wait_all(post_ring_shift([col_acc], [col], layout, group))
+    return row, col
+
+
+def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
+                   layout: RingLayout, group, row, col, grad_row, grad_col):
+    b, c = query.shape
+    m = key.shape[0]
+    dq = torch.zeros((b, c), device=query.device, dtype=_F32)
+    dscale = torch.zeros((), device=query.device, dtype=_F32)
+    # Every rank must run the same protocol, so missing upstream gradients become zeros.
+    a = grad_row.float() if grad_row is not None else torch.zeros_like(row)
+    cur_key, cur_info, dk_acc = key, None, None
+    if compute_col:
+        bcol = grad_col.float() if grad_col is not None else torch.zeros_like(col)
+        cur_info = torch.stack([col, bcol])  # [2, m]: global col_lse and its upstream gradient
+    for t in range(layout.world):
+        owner, nxt = layout.block_owner(t), layout.block_owner(t + 1)
+        send, recv = [], []
+        next_key = next_info = dk_in = None
+        if t < layout.world - 1:
+            next_key = key.new_empty((layout.key_sizes[nxt], c))
+            send.append(cur_key)
+            recv.append(next_key)
+            if compute_col:
+                next_info = torch.empty((2, layout.key_sizes[nxt]), device=key.device, dtype=_F32)
+                send.append(cur_info)
+                recv.append(next_info)
+        if t > 0:
+            dk_in = torch.empty((layout.key_sizes[owner], c), device=key.device, dtype=_F32)
+            send.append(dk_acc)
+            recv.append(dk_in)
+        works = post_ring_shift(send, recv, layout, group)
+        own = owner == layout.rank
+        dq_t, dk_t, ds_t = lse_backward(
+            query, cur_key, scale, row, cur_info[0] if compute_col else None, a,
+            cur_info[1] if compute_col else None, labels=labels if own else None,
+            exclude_positive=exclude_positive and own, backend=backend, tile_size=tile_size,
+        )
+        dq.add_(dq_t)
+        dscale.add_(ds_t)
+        del dq_t
+        wait_all(works)
+        dk_acc = dk_t if dk_in is None else dk_t.add_(dk_in)
+        if next_key is not None:
+            cur_key, cur_info = next_key, next_info
+    if layout.world == 1:
+        dk = dk_acc
+    else:  # dk_acc is the complete gradient of rank (r + 1)'s keys: send it home
+        dk = torch.empty((m, c), device=key.device, dtype=_F32)
+        wait_all(post_ring_shift([dk_acc], [dk], layout, group))
+    return dq, dk, dscale
+
+
+class RingLSEFunction(torch.autograd.Function):
+    """``(row_lse [b], col_lse [m])`` over all ranks of ``group``, by the ring; see module doc.
+
+    Saves ``query``, ``key``, ``labels`` and the two LSE vectors: O((b + m) * c) per rank.
+    ``col_lse`` is an empty tensor when ``compute_col`` is false.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
+                layout, group):
+        s = float(scale)
+        query, key = query.contiguous(), key.contiguous()
+        row, col = _ring_forward(
+            query, key, s, labels, exclude_positive, compute_col, backend, tile_size, layout, group
+        )
+        if col is None:
+            col = row.new_empty((0,))
+        ctx.save_for_backward(query, key, labels, row, col)
+        ctx.scale = s
+        ctx.scale_shape = scale.shape
+        ctx.options = (exclude_positive, compute_col, backend, tile_size, layout, group)
+        ctx.set_materialize_grads(False)
+        if not compute_col:
+            ctx.mark_non_differentiable(col)
+        return row, col
+
+    @staticmethod
+    def backward(ctx, grad_row, grad_col):
+        query, key, labels, row, col = ctx.saved_tensors
+        exclude_positive, compute_col, backend, tile_size, layout, group = ctx.options
+        dq, dk, ds = _ring_backward(
+            query, key, ctx.scale, labels, exclude_positive, compute_col, backend, tile_size,
+            layout, group, row, col if compute_col else None, grad_row,
+            grad_col if compute_col else None,
+        )
+        dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
+        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None, None
+
+
+def _flags(**options) -> int:
+    return sum(int(bool(v)) << i for i, v in enumerate(options.values()))
+
+
+def _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
+                tile_size, layout):
+    backend = resolve_backend(backend, query.device)
+    row, col = RingLSEFunction.apply(
+        query, key, scale_t, labels, exclude_positive, compute_col, backend, tile_size, layout, group
+    )
+    return row, (col if compute_col else None)
+
+
+def ring_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale_t: torch.Tensor,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    exclude_positive: bool = False,
+    compute_col: bool = True,
+    backend: str = "auto",
+    group=None,
+    tile_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row LSE ``[b]`` over all keys of all ranks and column LSE ``[m]`` over all queries.
+
+    Inputs are validated locally by the caller (``ds_infcl.loss.lse``); the cross-rank check of
+    dims, dtypes and sizes runs here, on every call, and raises on every rank. ``scale_t`` is a
+    0-dim float tensor. The gradient that reaches rank ``r`` is that of the *sum over ranks* of
+    the objectives built on the outputs (see the module doc for the factor ``W`` of the
+    data-parallel contract).
+    """
+    group = resolve_group(group)
+    layout = exchange_layout(
+        query, key, group, protocol="ring_lse",
+        flags=_flags(exclude_positive=exclude_positive, compute_col=compute_col),
+    )
+    return _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
+                       tile_size, layout)
+
+
+def ring_infonce(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale_t: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    symmetric: bool,
+    backend: str = "auto",
+    group=None,
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Global InfoNCE by the ring: the global loss on every rank, exact gradients after the
+    data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank)."""
+    group = resolve_group(group)
+    layout = exchange_layout(
+        query, key, group, protocol="ring_lse",
+        flags=_flags(exclude_positive=False, compute_col=symmetric),
+    )
+    row, col = _apply_ring(query, key, scale_t, None, False, symmetric, backend, group, tile_size,
+                           layout)
+    pos = positive_logits(query, key, scale_t, labels)
+    share = compose_infonce(row, col, pos, labels, layout.num_queries, symmetric)
+    return global_sum_with_grad(share, layout, group)

@@ -1,0 +1,146 @@
+"""Size and metadata exchange: who holds how many rows, checked once per call on every rank.
+
+Every loss path that communicates starts with :func:`exchange_layout`: one ``all_gather`` of a
+small int64 vector per rank (sizes, feature dim, dtype, device type, protocol and flags). Because
+the vector has a fixed length, the collective itself can never hang on a mismatch; every rank then
+runs the same check on the same gathered table and raises the same ``ValueError``.
+
+Why every call and not once per shape: with unequal per-rank sizes, a rank whose own shape did not
+change cannot know that another rank's did, so a cache keyed on the local shape would send it into
+a P2P exchange while its neighbour waits in the size exchange (a hang). The exchange is 8 integers
+per rank, one latency per step; the checks themselves are host-side comparisons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ds_infcl.ring.groups import global_rank, group_rank, group_size, resolve_group
+
+__all__ = ["RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS"]
+
+# torch >= 2.12 renamed the flat collectives (the old names warn); keep both working.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Protocol codes: ranks that disagree on which loss path they run would otherwise pair unrelated
+# collectives and hang or corrupt data.
+PROTOCOLS = {"ring_lse": 1, "vanilla": 2, "local": 3, "disco": 4}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+_DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
+_DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
+_NUM_FIELDS = 8  # b, m, c, dtype, device type, protocol, flags, reserved
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Sizes of every rank's block and the ring's neighbours (global ranks for P2P).
+
+    ``query_sizes[i]`` / ``key_sizes[i]`` are the row counts of rank ``i`` of the group; at ring
+    step ``t`` rank ``r`` holds the key block of rank ``(r - t) mod world``.
+    """
+
+    world: int
+    rank: int
+    query_sizes: Tuple[int, ...]
+    key_sizes: Tuple[int, ...]
+    feature_dim: int
+    send_to: int  # global rank of group rank (rank + 1) mod world
+    recv_from: int  # global rank of group rank (rank - 1) mod world
+
+    @property
+    def num_queries(self) -> int:
+        """Global query count ``B``."""
+        return sum(self.query_sizes)
+
+    @property
+    def num_keys(self) -> int:
+        """Global key count ``M``."""
+        return sum(self.key_sizes)
+
+    def query_offset(self, rank: Optional[int] = None) -> int:
+        """Index of rank ``rank``'s first query in the gathered (rank-ordered) query batch."""
+        return sum(self.query_sizes[: self.rank if rank is None else rank])
+
+    def key_offset(self, rank: Optional[int] = None) -> int:
+        """Index of rank ``rank``'s first key in the gathered (rank-ordered) key batch."""
+        return sum(self.key_sizes[: self.rank if rank is None else rank])
+
+    def block_owner(self, step: int) -> int:
+        """Group rank whose key block this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world
+
+
+def comm_device(group, device: torch.device) -> torch.device:
+    """Device for small control tensors of ``group``: CPU on gloo, else the features' device."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+
+def _describe_row(i: int, row: Sequence[int]) -> str:
+    b, m, c, dt, dev, proto, flags = row[:7]
+    proto_name = {v: k for k, v in PROTOCOLS.items()}.get(proto, str(proto))
+    return (
+        f"rank {i}: query [{b}, {c}], key [{m}, {c}], dtype {_DTYPE_NAMES.get(dt, dt)}, "
+        f"device {_DEVICE_NAMES.get(dev, dev)}, loss path {proto_name}, flags {flags}"
+    )
+
+
+def _check_table(table, protocol: str) -> None:
+    fields = ("feature dim", "dtype", "device type", "loss path", "flags")
+    for pos, name in zip(range(2, 7), fields):
+        if len({row[pos] for row in table}) > 1:
+            listing = "; ".join(_describe_row(i, row) for i, row in enumerate(table))
+            raise ValueError(
+                f"{protocol}: the ranks of the process group disagree on the {name}; every rank "
+                f"must call the same loss with the same feature dim and dtype ({listing})"
+            )
+    if sum(row[0] for row in table) == 0 or sum(row[1] for row in table) == 0:
+        listing = "; ".join(_describe_row(i, row) for i, row in enumerate(table))
+        raise ValueError(f"{protocol}: the global batch is empty ({listing})")
+
+
+def exchange_layout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    group=None,
+    *,
+    protocol: str = "ring_lse",
+    flags: int = 0,
+) -> RingLayout:
+    """Gather every rank's sizes and metadata, check that they agree, return the layout.
+
+    Collective over ``group`` (no communication with one rank). ``flags`` is a small integer of
+    options all ranks must share (e.g. ``compute_col``). Raises ``ValueError`` on every rank, with
+    a per-rank listing, when feature dims, dtypes, device types, protocols or flags differ or the
+    global batch is empty.
+    """
+    group = resolve_group(group)
+    world, rank = group_size(group), group_rank(group)
+    b, m, c = query.shape[0], key.shape[0], query.shape[1]
+    mine = [
+        b, m, c, _DTYPE_CODES.get(query.dtype, 99), _DEVICE_CODES.get(query.device.type, 99),
+        PROTOCOLS[protocol], int(flags), 0,
+    ]
+    if world == 1:
+        table = [mine]
+    else:
+        dev = comm_device(group, query.device)
+        local = torch.tensor(mine, dtype=torch.int64, device=dev)
+        gathered = torch.empty((world * _NUM_FIELDS,), dtype=torch.int64, device=dev)
+        all_gather_single(gathered, local, group=group)
+        table = gathered.view(world, _NUM_FIELDS).tolist()
+    _check_table(table, protocol)
+    return RingLayout(
+        world=world,
+        rank=rank,
+        query_sizes=tuple(row[0] for row in table),
+        key_sizes=tuple(row[1] for row in table),
+        feature_dim=c,
+        send_to=global_rank(group, (rank + 1) % world) if world > 1 else -1,
+        recv_from=global_rank(group, (rank - 1) % world) if world > 1 else -1,
+    )

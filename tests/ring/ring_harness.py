@@ -1,0 +1,72 @@
+"""Spawn a gloo process group on CPU, run many cases per spawn, bring the results back.
+
+Spawning costs seconds, so each test spawns once per world size and runs a list of cases in the
+workers; the assertions run in the pytest process against the fp64 reference on the gathered
+batch. Workers write ``rank{r}.pt`` into a temporary folder; a hang becomes a timeout error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Callable, List
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, out_dir, fn, payload):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    result = None
+    try:
+        if world > 0:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+            )
+        result = fn(rank, world, payload)
+    except BaseException:  # reported to the parent, which fails the test with the traceback
+        result = {"__error__": traceback.format_exc()}
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        if world > 0 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0) -> List:
+    """Run ``fn(rank, world, payload)`` on ``world`` gloo ranks; list of per-rank results.
+
+    ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the group
+    does not finish within ``timeout`` seconds, ``RuntimeError`` with a worker's traceback if one
+    failed.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry, args=(world, free_port(), out_dir, fn, payload), nprocs=world, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{world}-rank group did not finish within {timeout} s")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "__error__" in res:
+            raise RuntimeError(f"rank {r} failed:\n{res['__error__']}")
+    return results
