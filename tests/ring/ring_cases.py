@@ -34,6 +34,16 @@ def loss_cases(world):
     return cases
 
 
+def triton_cases():
+    """The ring on the Triton backend (interpreter on CPU): a few small fp32 cases."""
+    return [
+        dict(kind="loss", impl="infcl", symmetric=sym, hard=hard, dtype="fp32", sizes=[3, 5], c=16,
+             scale=6.0, normalize=True, backend="triton")
+        for sym, hard in [(False, 1), (True, 0)]
+    ] + [dict(kind="lse", exclude_positive=True, compute_col=True, hard=1, dtype="fp32",
+              sizes=[3, 5], c=16, scale=6.0, normalize=True, backend="triton")]
+
+
 def lse_cases(world):
     """The ``lse`` functional (ring_lse with more than one rank): exclusion and column flags."""
     return [
@@ -79,15 +89,16 @@ def run_case(rank, case, seed, tile_size=3, group=None):
     k = _local(data["key"], data["key_sizes"], rank).clone().requires_grad_(True)
     labels = data["labels"][rank]
     scale = torch.tensor(case["scale"], requires_grad=True)
+    backend = case.get("backend", "torch")
     out = {}
     if case["kind"] == "loss":
         loss = contrastive_loss(q, k, scale, labels, symmetric=case["symmetric"], impl=case["impl"],
-                                backend="torch", group=group, tile_size=tile_size)
+                                backend=backend, group=group, tile_size=tile_size)
         loss.backward()
         out["loss"] = loss.item()
     else:
         row, col = lse(q, k, scale, labels=labels, exclude_positive=case["exclude_positive"],
-                       compute_col=case["compute_col"], backend="torch", group=group,
+                       compute_col=case["compute_col"], backend=backend, group=group,
                        tile_size=tile_size)
         obj = (row * _local(data["grad_row"], case["sizes"], rank)).sum()
         out["row"] = row.detach()

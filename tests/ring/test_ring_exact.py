@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from ds_infcl.ops.reference import contrastive_loss_reference, lse_reference
-from ring_cases import case_data, loss_cases, lse_cases, mismatch_cases, worker
-from ring_harness import spawn
+from tests.ring.ring_cases import (
+    case_data, loss_cases, lse_cases, mismatch_cases, triton_cases, worker,
+)
+from tests.ring.ring_harness import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +85,7 @@ def check_results(cases, results, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_all_impls_match_reference(world):
-    cases = loss_cases(world) + lse_cases(world)
+    cases = loss_cases(world) + lse_cases(world) + (triton_cases() if world == 2 else [])
     mismatch = mismatch_cases(world) if world == 3 else []
     results = spawn(worker, world, {"cases": cases, "mismatch": mismatch}, timeout=150)
     check_results(cases, results, world)
