@@ -1,0 +1,99 @@
+"""Command line of the trainer: ``python -m ds_infcl.train`` (under any launcher, or alone).
+
+    deepspeed --num_gpus 2 -m ds_infcl.train \\
+        --deepspeed_config ds_configs/zero2.json --config run.json \\
+        [--set batch.global_batch_size=512 ...] [--ds-set zero_optimization.stage=3 ...] \\
+        [--resume auto|CHECKPOINT_PATH]
+
+Without a launcher it runs as a single rank. ``--check`` validates both configs (for a given
+``--world-size``) and exits without training. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, resolve_deepspeed_config
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ds_infcl.train",
+        description="Train a contrastive model with an exact global-batch loss (Inf-CL) on DeepSpeed.",
+    )
+    p.add_argument("--config", "-c", help="run config JSON (task, loss, batch, data, eval, logging, checkpoint)")
+    p.add_argument("--deepspeed_config", "--ds-config", dest="deepspeed_config", required=True,
+                   help="DeepSpeed config JSON (ZeRO stage, precision, optimizer, scheduler), e.g. ds_configs/zero2.json")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run config key (JSON value), e.g. --set batch.chunk_size=32; repeatable")
+    p.add_argument("--ds-set", dest="ds_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DeepSpeed config key, e.g. --ds-set zero_optimization.stage=3 "
+                   "(a null value removes the key: --ds-set scheduler=null); repeatable")
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="resume: 'auto' (default when the flag has no value: newest checkpoint of the run, "
+                   "or a fresh start if none), a checkpoint directory, or a tag directory")
+    p.add_argument("--output_dir", "--output-dir", dest="output_dir", help="shortcut for --set output_dir=...")
+    p.add_argument("--save-params", dest="save_params", help="write the final float32 parameters to this .pt file (rank 0)")
+    p.add_argument("--check", action="store_true", help="validate the configs and exit")
+    p.add_argument("--world-size", type=int, default=None, help="world size assumed by --check (default: $WORLD_SIZE or 1)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def _load_ds_config(path: str, overrides: List[str]) -> dict:
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed_config: file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config: {path} is not valid JSON: {e}") from None
+    return apply_overrides(cfg, overrides, what="--ds-set", delete_on_null=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        overrides = list(args.overrides)
+        if args.output_dir:
+            overrides.append(f"output_dir={args.output_dir}")
+        cfg = load_run_config(args.config, overrides)
+        ds_config = _load_ds_config(args.deepspeed_config, args.ds_overrides)
+        if args.check:
+            world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            from ds_infcl.train.optim import prepare_optimizer
+            from ds_infcl.train.task import get_task
+
+            resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
+            prepare_optimizer(resolved, "cuda")
+            get_task(cfg.task.name, cfg.task.args, cfg.task.module)
+            print(f"ok: world {world}, global batch {layout.global_batch_size} = micro {layout.micro_batch_size}"
+                  f" x accumulation {layout.num_chunks} x {world}")
+            return 0
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from ds_infcl.train.loop import train
+
+    try:
+        summary = train(cfg, ds_config, resume=args.resume, ds_config_source=args.deepspeed_config,
+                        save_params=args.save_params)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        ev = ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.eval.items()))
+        print(
+            f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, logit scale "
+            f"{summary.final_logit_scale:.3f}, {summary.samples_per_s:.1f} samples/s, peak mem "
+            f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,476 @@
+"""The run config: every setting of a training run that is not DeepSpeed's.
+
+A run is described by two JSON files: the DeepSpeed config (ZeRO stage, precision, optimizer,
+scheduler; see ``ds_configs/``) and this run config (task, loss, batch and GradCache chunking,
+data, evaluation, logging, checkpoints). ``load_run_config`` validates the run config at start:
+an unknown key, a wrong type or a value outside its allowed set raises ``ConfigError`` naming the
+key (``batch.chunk_size``) and what is allowed. ``resolve_deepspeed_config`` cross-checks the two
+files and fills the DeepSpeed batch fields, so that
+
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size
+
+holds with ``train_batch_size = batch.global_batch_size``; without GradCache the micro batch is the
+whole local batch (one micro-step per step); with GradCache the micro batch is one chunk and
+``gradient_accumulation_steps`` is the number of chunks.
+
+Example run config (every section is optional except ``batch.global_batch_size`` and
+``train.num_steps``; see docs/training.md for all keys)::
+
+    {
+      "task": {"name": "synthetic", "args": {"input_dim": 32}},
+      "loss": {"impl": "infcl"},
+      "batch": {"global_batch_size": 256, "grad_cache": true, "chunk_size": 32},
+      "train": {"num_steps": 100, "seed": 0},
+      "logging": {"every_steps": 10},
+      "checkpoint": {"every_steps": 50},
+      "output_dir": "runs/demo"
+    }
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+__all__ = [
+    "ConfigError",
+    "TaskConfig",
+    "LossConfig",
+    "BatchConfig",
+    "DataConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "RunConfig",
+    "BatchLayout",
+    "load_run_config",
+    "run_config_from_dict",
+    "apply_overrides",
+    "resolve_deepspeed_config",
+]
+
+
+class ConfigError(ValueError):
+    """A run config or DeepSpeed config value that cannot be used; the message names the key."""
+
+
+_REQUIRED = object()
+
+
+@dataclass
+class TaskConfig:
+    """``task``: what is trained. ``name`` is looked up in the task registry; ``module`` (a Python
+    import path) is imported first so that plug-in tasks can register themselves; ``args`` go to
+    the task's constructor."""
+
+    name: str = "synthetic"
+    module: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LossConfig:
+    """``loss``: the ``ContrastiveLoss`` module (it owns the learnable logit scale). ``None`` means
+    the task's default (CLIP is symmetric with a learnable scale, retrieval one-directional with
+    a fixed scale of 20)."""
+
+    impl: str = "infcl"
+    backend: str = "auto"
+    tile_size: Optional[int] = None
+    symmetric: Optional[bool] = None
+    init_logit_scale: Optional[float] = None
+    max_logit_scale: Optional[float] = None
+    learnable_scale: Optional[bool] = None
+
+
+@dataclass
+class BatchConfig:
+    """``batch``: the global batch of one optimizer step (all ranks together; the contrastive loss
+    sees all of it) and its GradCache chunking. With ``grad_cache`` the local batch is encoded
+    ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk)."""
+
+    global_batch_size: int = _REQUIRED  # type: ignore[assignment]
+    grad_cache: bool = False
+    chunk_size: Optional[int] = None
+    verify_replay: bool = False
+
+
+@dataclass
+class DataConfig:
+    """``data``: where the local batch lives. ``offload`` keeps it in CPU memory and moves one chunk
+    at a time to the device; ``pin_memory`` (``"auto"`` = when CUDA is used) pins it."""
+
+    offload: bool = True
+    pin_memory: Union[bool, str] = "auto"
+
+
+@dataclass
+class TrainConfig:
+    """``train``: length and seed of the run."""
+
+    num_steps: int = _REQUIRED  # type: ignore[assignment]
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """``eval``: call the task's ``evaluate`` hook every ``every_steps`` steps (0 = never) and, with
+    ``at_end``, after the last step."""
+
+    every_steps: int = 0
+    at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """``logging``: metrics every ``every_steps`` steps to ``<output_dir>/metrics.csv``, TensorBoard
+    (``<output_dir>/tensorboard``) and a progress bar on rank 0."""
+
+    every_steps: int = 1
+    csv: bool = True
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint``: DeepSpeed checkpoints (engine, optimizer, loss module) plus the run state
+    (step, data position, RNG) every ``every_steps`` steps (0 = never) and at the end; ``dir``
+    defaults to ``<output_dir>/checkpoints``; ``keep_last`` (0 = all) deletes older ones."""
+
+    dir: Optional[str] = None
+    every_steps: int = 0
+    at_end: bool = True
+    keep_last: int = 0
+
+
+@dataclass
+class RunConfig:
+    """The whole run config; see the module docstring."""
+
+    batch: BatchConfig
+    train: TrainConfig
+    task: TaskConfig = field(default_factory=TaskConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output_dir: str = "runs/default"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        import os
+
+        return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")
+
+
+_SECTIONS = {
+    "task": TaskConfig,
+    "loss": LossConfig,
+    "batch": BatchConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing with key-naming errors
+# ----------------------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (dict, Dict):
+        return "object"
+    if tp is type(None):
+        return "null"
+    return {int: "integer", float: "number", bool: "true/false", str: "string"}.get(tp, str(tp))
+
+
+def _check_type(key: str, value: Any, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        for arg in typing.get_args(tp):
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin in (dict, Dict):
+        if isinstance(value, dict):
+            return dict(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a field type this parser does not know
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _parse_section(name: str, cls, raw: Any):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected an object, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{name}.{unknown[0]}: unknown key; allowed keys of '{name}' are {sorted(fields)}"
+        )
+    kwargs = {}
+    for fname, f in fields.items():
+        key = f"{name}.{fname}"
+        if fname in raw:
+            kwargs[fname] = _check_type(key, raw[fname], hints[fname])
+        elif f.default is _REQUIRED:
+            raise ConfigError(f"{key}: required key is missing")
+    return cls(**kwargs)
+
+
+def _allowed(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _positive(key: str, value: Optional[int], *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key}: must be {'>= 0' if zero_ok else '>= 1'}, got {value}")
+
+
+def run_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
+    """Parse and validate a run config given as a dict (see ``load_run_config``)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the run config must be a JSON object, got {type(raw).__name__}")
+    allowed_top = sorted(list(_SECTIONS) + ["output_dir"])
+    unknown = sorted(set(raw) - set(allowed_top))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key; allowed keys are {allowed_top}")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        if name in raw:
+            sections[name] = _parse_section(name, cls, raw[name])
+        elif name in ("batch", "train"):
+            raise ConfigError(f"{name}: required section is missing")
+    cfg = RunConfig(**sections)
+    if "output_dir" in raw:
+        cfg.output_dir = _check_type("output_dir", raw["output_dir"], str)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: RunConfig) -> None:
+    from ds_infcl.loss import available_loss_impls
+    from ds_infcl.ops import BACKENDS
+
+    _allowed("loss.impl", cfg.loss.impl, available_loss_impls())
+    _allowed("loss.backend", cfg.loss.backend, BACKENDS)
+    _positive("loss.tile_size", cfg.loss.tile_size)
+    if (
+        cfg.loss.init_logit_scale is not None
+        and cfg.loss.max_logit_scale is not None
+        and cfg.loss.init_logit_scale > cfg.loss.max_logit_scale
+    ):
+        raise ConfigError(
+            f"loss.init_logit_scale: {cfg.loss.init_logit_scale} exceeds loss.max_logit_scale "
+            f"{cfg.loss.max_logit_scale}"
+        )
+    _positive("batch.global_batch_size", cfg.batch.global_batch_size)
+    _positive("batch.chunk_size", cfg.batch.chunk_size)
+    if cfg.batch.grad_cache and cfg.batch.chunk_size is None:
+        raise ConfigError("batch.chunk_size: required when batch.grad_cache is true")
+    if not cfg.batch.grad_cache and cfg.batch.chunk_size is not None:
+        raise ConfigError(
+            "batch.chunk_size: only used with GradCache; set batch.grad_cache to true or remove it"
+        )
+    _allowed("data.pin_memory", cfg.data.pin_memory, ["auto", True, False])
+    _positive("train.num_steps", cfg.train.num_steps)
+    _positive("train.seed", cfg.train.seed, zero_ok=True)
+    _positive("eval.every_steps", cfg.eval.every_steps, zero_ok=True)
+    _positive("logging.every_steps", cfg.logging.every_steps)
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, zero_ok=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, zero_ok=True)
+    if not cfg.output_dir:
+        raise ConfigError("output_dir: must be a non-empty path")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a bare string such as runs/x
+
+
+def apply_overrides(
+    raw: Dict[str, Any], overrides: List[str], *, what: str = "--set", delete_on_null: bool = False
+) -> Dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (value parsed as JSON, else a string) to a nested dict.
+
+    ``what`` names the flag in error messages; with ``delete_on_null`` a value of ``null`` removes
+    the key (``--ds-set scheduler=null``). Returns a new dict.
+    """
+    out = copy.deepcopy(raw)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"{what} {item!r}: expected KEY=VALUE, e.g. batch.chunk_size=16")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"{what} {item!r}: empty key")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{what} {item!r}: {p} is not an object")
+            node = nxt
+        parsed = _parse_value(value)
+        if parsed is None and delete_on_null:
+            node.pop(parts[-1], None)
+        else:
+            node[parts[-1]] = parsed
+    return out
+
+
+def load_run_config(path: Optional[str], overrides: Optional[List[str]] = None) -> RunConfig:
+    """Read, override and validate a run config JSON file (``path`` may be ``None``: overrides only)."""
+    raw: Dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"--config: file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config: {path} is not valid JSON: {e}") from None
+    return run_config_from_dict(apply_overrides(raw, overrides or []))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-check with the DeepSpeed config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchLayout:
+    """How one step's global batch is laid out on the ranks and micro-steps."""
+
+    global_batch_size: int
+    world_size: int
+    local_batch_size: int
+    micro_batch_size: int
+    num_chunks: int  # = gradient_accumulation_steps
+
+
+_DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def resolve_deepspeed_config(
+    cfg: RunConfig, ds_config: Dict[str, Any], world_size: int, *, source: str = "DeepSpeed config"
+):
+    """Cross-check the DeepSpeed config with the run config and fill its batch fields.
+
+    Each of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` may be absent or ``"auto"`` (filled here) or a number (then it
+    must equal the value the run config implies).
+
+    Returns:
+        ``(ds_config, layout)``: a new dict and the ``BatchLayout``.
+
+    Raises:
+        ConfigError: a batch that does not divide over ranks or chunks, or a contradiction, naming
+            the keys of both files.
+    """
+    if not isinstance(ds_config, dict):
+        raise ConfigError(f"{source}: expected a JSON object")
+    B = cfg.batch.global_batch_size
+    if B % world_size:
+        raise ConfigError(
+            f"batch.global_batch_size: {B} does not divide over {world_size} data-parallel ranks; "
+            f"use a multiple of {world_size}"
+        )
+    local = B // world_size
+    if cfg.batch.grad_cache:
+        chunk = cfg.batch.chunk_size
+        if local % chunk:
+            raise ConfigError(
+                f"batch.chunk_size: {chunk} does not divide the local batch of {local} "
+                f"(batch.global_batch_size {B} / {world_size} ranks)"
+            )
+        micro, gas = chunk, local // chunk
+    else:
+        micro, gas = local, 1
+    want = {
+        "train_batch_size": B,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+    }
+    out = copy.deepcopy(ds_config)
+    for key in _DS_BATCH_KEYS:
+        have = out.get(key, "auto")
+        if have == "auto":
+            out[key] = want[key]
+            continue
+        if isinstance(have, bool) or not isinstance(have, int):
+            raise ConfigError(f"{source}: {key} must be an integer or \"auto\", got {have!r}")
+        if have != want[key]:
+            why = {
+                "train_batch_size": f"batch.global_batch_size is {B}",
+                "train_micro_batch_size_per_gpu": (
+                    f"with GradCache the micro batch is batch.chunk_size = {micro}"
+                    if cfg.batch.grad_cache
+                    else f"without GradCache the micro batch is the local batch "
+                    f"{B} / {world_size} ranks = {micro}"
+                ),
+                "gradient_accumulation_steps": (
+                    f"with GradCache it is the number of chunks, {local} / {cfg.batch.chunk_size} = {gas}"
+                    if cfg.batch.grad_cache
+                    else "without GradCache it must be 1: the contrastive loss of separate "
+                    "micro-batches is not the loss of the global batch (set batch.grad_cache)"
+                ),
+            }[key]
+            raise ConfigError(
+                f"{source}: {key} = {have} contradicts the run config ({why}); set it to "
+                f"{want[key]} or \"auto\""
+            )
+    sched = out.get("scheduler")
+    if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
+        params = sched["params"]
+        # "auto" schedule lengths follow train.num_steps (warm-up: 5% of the steps).
+        for key, value in (
+            ("total_num_steps", cfg.train.num_steps),
+            ("warmup_num_steps", max(1, cfg.train.num_steps // 20)),
+        ):
+            if params.get(key) == "auto":
+                params[key] = value
+        bad = sorted(k for k, v in params.items() if v == "auto")
+        if bad:
+            raise ConfigError(f"{source}: scheduler.params.{bad[0]} = \"auto\" is not supported; give a number")
+    layout = BatchLayout(B, world_size, local, micro, gas)
+    return out, layout

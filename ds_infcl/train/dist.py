@@ -1,0 +1,92 @@
+"""Process set-up around DeepSpeed: environment defaults, the CPU shared-memory-op patch, devices.
+
+CPU facts (../shared/notes and DESIGN.md section 5): on a machine without a GPU DeepSpeed picks
+its CPU accelerator and gloo; ``init_distributed`` would JIT-compile a shared-memory op (about a
+minute) that training never uses, so ``skip_cpu_shm_op_build`` replaces its builder first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+
+import torch
+
+__all__ = [
+    "accelerator_name",
+    "skip_cpu_shm_op_build",
+    "ensure_single_process_env",
+    "init_distributed",
+    "local_device",
+    "free_port",
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator name (``"cuda"``, ``"cpu"``, ...)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"  # explicit: silences DeepSpeed's detection warning
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def skip_cpu_shm_op_build() -> None:
+    """On the CPU accelerator, stop ``init_distributed`` from JIT-building the shm comm op.
+
+    ``deepspeed.comm`` re-exports ``torch``, so ``import deepspeed.comm.torch`` gives the wrong
+    module: the patch must go through ``sys.modules``.
+    """
+    if accelerator_name() != "cpu":
+        return
+    importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def ensure_single_process_env() -> bool:
+    """Without a launcher (no ``RANK``/``WORLD_SIZE``), set the variables of a 1-rank world.
+
+    Returns ``True`` if it set them.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return False
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return True
+
+
+def init_distributed() -> None:
+    """Initialize ``deepspeed.comm`` once per process (gloo on CPU, NCCL on CUDA)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    skip_cpu_shm_op_build()
+    ensure_single_process_env()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    elif getattr(deepspeed.comm, "cdb", None) is None:
+        deepspeed.init_distributed(verbose=False)
+
+
+def local_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) or ``cpu``."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    acc.set_device(local_rank)
+    return torch.device(acc.device_name(local_rank))

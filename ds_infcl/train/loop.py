@@ -1,0 +1,281 @@
+"""The training run: set-up, the step loop, evaluation, logging, checkpoints.
+
+``train(run_config, ds_config)`` is what ``python -m ds_infcl.train`` calls on every rank; it may
+be called several times in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from ds_infcl.loss import ContrastiveLoss
+from ds_infcl.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from ds_infcl.train.config import BatchLayout, RunConfig, resolve_deepspeed_config
+from ds_infcl.train.dist import accelerator_name, init_distributed, local_device
+from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
+from ds_infcl.train.model import ContrastiveModel
+from ds_infcl.train.optim import prepare_optimizer
+from ds_infcl.train.steps import grad_cache_step, uncached_step
+from ds_infcl.train.task import Batch, Task, get_task
+
+__all__ = ["train", "TrainSummary", "Encoder"]
+
+
+@dataclass
+class TrainSummary:
+    """What ``train`` returns (on every rank) and writes to ``<output_dir>/summary.json`` (rank 0)."""
+
+    steps: int
+    start_step: int
+    world_size: int
+    global_batch_size: int
+    num_chunks: int
+    final_loss: float
+    final_logit_scale: float
+    losses: list
+    samples_per_s: float
+    peak_mem_mib: float
+    wall_s: float
+    eval: Dict[str, float] = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+class Encoder:
+    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
+
+    def __init__(self, engine, device: torch.device):
+        self._engine = engine
+        self.device = device
+
+    def _run(self, mode: str, inputs):
+        from ds_infcl.train.task import tree_map
+
+        inputs = tree_map(lambda t: t.to(self.device), inputs)
+        with torch.no_grad():
+            if mode == "encode_query":
+                return self._engine("encode_query", inputs)
+            return self._engine("encode_key", None, inputs)
+
+    def encode_query(self, inputs) -> torch.Tensor:
+        return self._run("encode_query", inputs)
+
+    def encode_key(self, inputs) -> torch.Tensor:
+        return self._run("encode_key", inputs)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _build_loss(cfg: RunConfig, task: Task) -> ContrastiveLoss:
+    kwargs = dict(task.loss_defaults())
+    for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):
+        value = getattr(cfg.loss, key)
+        if value is not None:
+            kwargs[key] = value
+    return ContrastiveLoss(impl=cfg.loss.impl, backend=cfg.loss.backend, tile_size=cfg.loss.tile_size, **kwargs)
+
+
+def _pin(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
+    pin = cfg.data.pin_memory
+    if pin == "auto":
+        pin = device.type == "cuda"
+    if pin and device.type == "cuda":
+        batch = batch.map(lambda t: t.pin_memory())
+    return batch
+
+
+def _logit_scale(engine) -> float:
+    with torch.no_grad():
+        return float(engine("logit_scale").float())
+
+
+def _log(msg: str, rank: int) -> None:
+    if rank == 0:
+        print(f"[ds_infcl] {msg}", flush=True)
+
+
+def train(
+    cfg: RunConfig,
+    ds_config: Dict[str, Any],
+    *,
+    resume: Optional[str] = None,
+    ds_config_source: str = "DeepSpeed config",
+    save_params: Optional[str] = None,
+) -> TrainSummary:
+    """Train ``cfg.task`` with DeepSpeed on every rank of the launched world.
+
+    Args:
+        cfg: validated run config.
+        ds_config: the DeepSpeed config as a dict (batch fields may be missing or ``"auto"``).
+        resume: ``None`` (start fresh), ``"auto"`` (newest checkpoint in the checkpoint dir, if
+            any) or a checkpoint path (see ``checkpoint.resolve_resume``).
+        ds_config_source: name of the DeepSpeed config in error messages.
+        save_params: write the final (gathered) parameters as float32 to this ``.pt`` file on
+            rank 0 (tests compare runs with it).
+    """
+    import deepspeed
+    import deepspeed.comm as dist
+
+    t_start = time.time()
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = local_device()
+    accel = accelerator_name()
+
+    # Configs: batch layout and optimizer; both fail before any model is built.
+    ds_cfg, layout = resolve_deepspeed_config(cfg, ds_config, world, source=ds_config_source)
+    ds_cfg, client_optimizer, notes = prepare_optimizer(ds_cfg, accel)
+    for n in notes:
+        _log(n, rank)
+    if cfg.batch.grad_cache and layout.num_chunks == 1:
+        _log("batch.grad_cache is on with one chunk per rank: GradCache adds a pass for nothing", rank)
+    task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
+
+    # Model: identical initialization on all ranks (DeepSpeed also broadcasts rank 0's).
+    _seed_all(cfg.train.seed)
+    model = ContrastiveModel(task.build_towers(), _build_loss(cfg, task))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=client_optimizer,
+        config=ds_cfg,
+    )
+    engine.module.loss.group = engine.data_parallel_group
+    # Per-rank RNG streams from here on (dropout differs between ranks, as in any DP run).
+    _seed_all(cfg.train.seed + 1 + 7919 * rank)
+
+    start_step, samples = 0, 0
+    if resume:
+        found = resolve_resume(resume, cfg.checkpoint_dir)
+        if found is not None:
+            state = load_checkpoint(engine, found[0], found[1], device)
+            start_step, samples = int(state["step"]), int(state["samples"])
+            task.load_state_dict(state.get("task_state", {}))
+            _log(f"resumed from {found[0]}/{found[1]} at step {start_step}", rank)
+        else:
+            _log(f"--resume {resume}: no checkpoint in {cfg.checkpoint_dir}; starting fresh", rank)
+
+    _log(
+        f"world {world} ({accel}), global batch {layout.global_batch_size} = micro "
+        f"{layout.micro_batch_size} x accumulation {layout.num_chunks} x {world} ranks, "
+        f"ZeRO stage {engine.zero_optimization_stage()}, loss {cfg.loss.impl}, "
+        f"GradCache {'on' if cfg.batch.grad_cache else 'off'}, steps {start_step}->{cfg.train.num_steps}",
+        rank,
+    )
+    logger = MetricsLogger(
+        cfg.output_dir, enabled=rank == 0, csv_enabled=cfg.logging.csv,
+        tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
+        total_steps=cfg.train.num_steps, start_step=start_step,
+    )
+    if rank == 0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "run_config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=2)
+        with open(os.path.join(cfg.output_dir, "ds_config.resolved.json"), "w") as f:
+            json.dump(ds_cfg, f, indent=2)
+
+    data = task.batches(
+        rank=rank, world_size=world, local_batch_size=layout.local_batch_size,
+        start_step=start_step, seed=cfg.train.seed,
+    )
+    encoder = Encoder(engine, device)
+    losses, eval_metrics = [], {}
+    train_time, timed_samples = 0.0, 0
+    step = start_step
+    engine.train()
+    while step < cfg.train.num_steps:
+        batch = _pin(next(data), cfg, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.time()
+        if cfg.batch.grad_cache:
+            result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device, verify_replay=cfg.batch.verify_replay)
+        else:
+            result = uncached_step(engine, batch, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.time() - t0
+        step += 1
+        samples += layout.global_batch_size
+        if step > start_step + 1 or step == cfg.train.num_steps:  # the first step includes warm-up
+            train_time += dt
+            timed_samples += layout.global_batch_size
+        losses.append(result.loss)
+        if not math.isfinite(result.loss):
+            raise FloatingPointError(f"step {step}: loss is {result.loss}; stopping (lower the learning rate, check fp16 scaling)")
+
+        if step % cfg.logging.every_steps == 0 or step == cfg.train.num_steps:
+            ls = _logit_scale(engine)
+            logger.log_train({
+                "step": step, "loss": result.loss, "logit_scale": ls,
+                "scale": math.exp(min(ls, engine.module.loss.max_logit_scale)),
+                "lr": float(engine.get_lr()[0]) if engine.get_lr() else float("nan"),
+                "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
+                "peak_mem_mib": peak_memory_mib(device), "samples": samples,
+            })
+        logger.advance()
+
+        is_last = step == cfg.train.num_steps
+        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end):
+            engine.eval()
+            eval_metrics = task.evaluate(encoder, step)
+            engine.train()
+            logger.log_eval(step, eval_metrics)
+
+        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
+            run_state = {
+                "step": step, "samples": samples, "task_state": task.state_dict(),
+                "world_size": world, "run_config": cfg.to_dict(),
+            }
+            tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
+            if not cfg.logging.progress_bar:
+                _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
+
+    logger.close()
+    final_scale = _logit_scale(engine)
+    if save_params:
+        _save_params(engine, save_params, rank)
+    summary = TrainSummary(
+        steps=step, start_step=start_step, world_size=world,
+        global_batch_size=layout.global_batch_size, num_chunks=layout.num_chunks,
+        final_loss=losses[-1] if losses else float("nan"), final_logit_scale=final_scale,
+        losses=losses,
+        samples_per_s=(timed_samples / train_time) if train_time > 0 else float("nan"),
+        peak_mem_mib=peak_memory_mib(device), wall_s=time.time() - t_start,
+        eval=eval_metrics, notes=notes,
+    )
+    if rank == 0:
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary.__dict__, f, indent=2)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return summary
+
+
+def _save_params(engine, path: str, rank: int) -> None:
+    """Gather every parameter (ZeRO-3 included) and save float32 copies on rank 0."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    engine.empty_partition_cache()  # ZeRO-3: no parameter may still be in flight from a prefetch
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        state = {k: v.detach().float().cpu().clone() for k, v in params.items()}
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(state, path)

@@ -1,0 +1,152 @@
+"""Training metrics on rank 0: a CSV file, TensorBoard (when importable) and a tqdm bar.
+
+``<output_dir>/metrics.csv`` has one row per logged step with the columns of ``TRAIN_COLUMNS``;
+evaluation results go to ``<output_dir>/eval.csv`` (``step`` plus the task's metric names). On
+resume, rows after the resumed step (written by the interrupted run after its last checkpoint)
+are dropped, so the file reads as one uninterrupted run. TensorBoard events go to
+``<output_dir>/tensorboard`` through ``torch.utils.tensorboard``; without the ``tensorboard``
+package a single warning is printed and the CSV files remain.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import resource
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "peak_memory_mib"]
+
+TRAIN_COLUMNS = [
+    "step", "loss", "logit_scale", "scale", "lr", "samples_per_s", "step_time_s", "peak_mem_mib", "samples",
+]
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this rank in MiB: allocated device memory on CUDA, process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+
+
+def _truncate_csv(path: str, max_step: int) -> None:
+    if not os.path.isfile(path):
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return
+    header, body = rows[0], rows[1:]
+    keep = [r for r in body if r and int(float(r[0])) <= max_step]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(keep)
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 (other ranks get a no-op logger).
+
+    Args:
+        output_dir: run directory.
+        enabled: ``True`` on rank 0.
+        csv_enabled / tensorboard / progress_bar: the ``logging`` section of the run config.
+        total_steps / start_step: for the progress bar; ``start_step > 0`` also truncates the CSV
+            files to rows ``<= start_step`` (resume).
+    """
+
+    _warned_tb = False
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        enabled: bool,
+        csv_enabled: bool = True,
+        tensorboard: bool = True,
+        progress_bar: bool = True,
+        total_steps: int = 0,
+        start_step: int = 0,
+    ):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self._csv_enabled = csv_enabled and enabled
+        self._tb = None
+        self._bar = None
+        self.train_path = os.path.join(output_dir, "metrics.csv")
+        self.eval_path = os.path.join(output_dir, "eval.csv")
+        self._eval_header: Optional[List[str]] = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if self._csv_enabled:
+            if start_step > 0:
+                _truncate_csv(self.train_path, start_step)
+                _truncate_csv(self.eval_path, start_step)
+            else:
+                for p in (self.train_path, self.eval_path):
+                    if os.path.exists(p):
+                        os.remove(p)
+            if not os.path.exists(self.train_path):
+                with open(self.train_path, "w", newline="") as f:
+                    csv.writer(f).writerow(TRAIN_COLUMNS)
+            if os.path.exists(self.eval_path):
+                with open(self.eval_path, newline="") as f:
+                    self._eval_header = next(csv.reader(f), None)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            except (ImportError, ModuleNotFoundError) as e:
+                if not MetricsLogger._warned_tb:
+                    print(f"[ds_infcl] TensorBoard logging is off ({e}); metrics go to {self.train_path}", file=sys.stderr)
+                    MetricsLogger._warned_tb = True
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+
+    def log_train(self, row: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._csv_enabled:
+            with open(self.train_path, "a", newline="") as f:
+                csv.writer(f).writerow([row.get(c, "") for c in TRAIN_COLUMNS])
+        if self._tb is not None:
+            for k in TRAIN_COLUMNS[1:]:
+                if k in row:
+                    self._tb.add_scalar(f"train/{k}", row[k], int(row["step"]))
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{row['loss']:.4f}", scale=f"{row.get('scale', float('nan')):.2f}",
+                                  sps=f"{row.get('samples_per_s', 0):.0f}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log_eval(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled or not metrics:
+            return
+        if self._csv_enabled:
+            if self._eval_header is None:
+                self._eval_header = ["step"] + sorted(metrics)
+                with open(self.eval_path, "w", newline="") as f:
+                    csv.writer(f).writerow(self._eval_header)
+            with open(self.eval_path, "a", newline="") as f:
+                csv.writer(f).writerow([step] + [metrics.get(k, "") for k in self._eval_header[1:]])
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"eval/{k}", v, step)
+        if self._bar is not None:
+            self._bar.write(f"[eval step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,129 @@
+"""The module handed to ``deepspeed.initialize``: the task's towers plus the loss module.
+
+Every use of a parameter goes through ``forward`` (the DeepSpeed engine's ``__call__``), so ZeRO-3
+gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
+
+- ``"loss"``: encode queries and keys, return ``(global loss, query features, key features)``
+  (the uncached step).
+- ``"encode"``, ``"encode_query"``, ``"encode_key"``: features only (GradCache's first pass,
+  evaluation).
+- ``"logit_scale"``: the current ``logit_scale`` value, detached (GradCache computes the loss
+  outside the engine on a copy of it).
+- ``"surrogate"``: re-encode one chunk and return
+  ``(sum(q * dL/dq) + sum(k * dL/dk) + logit_scale * dL/dlogit_scale, q, k)``: the gradient of the
+  first with respect to every parameter is that chunk's share of the exact gradient (GradCache's
+  second pass); the detached features let the caller verify the RNG replay.
+
+The logit scale is a parameter of the loss submodule that ``"logit_scale"`` and ``"surrogate"``
+read from this module's own forward; it is registered as an external parameter so that ZeRO-3
+gathers it there too. A 0-dim ``logit_scale`` is re-registered with shape ``[1]`` (DeepSpeed cannot
+broadcast 0-dim parameters); the loss module's maths is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ds_infcl.loss import ContrastiveLoss, contrastive_loss
+from ds_infcl.train.task import tree_map
+
+__all__ = ["ContrastiveModel", "loss_from_features"]
+
+MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "surrogate")
+
+
+def loss_from_features(
+    loss_module: ContrastiveLoss,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    logit_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``loss_module(query, key, labels)`` with ``logit_scale`` in place of the module's own
+    parameter (a tensor that may require grad). Mirrors ``ContrastiveLoss.forward``."""
+    scale = logit_scale.clamp(max=loss_module.max_logit_scale).exp()
+    return contrastive_loss(
+        query, key, scale.to(query.device), labels, symmetric=loss_module.symmetric,
+        impl=loss_module.impl, backend=loss_module.backend, group=loss_module.group,
+        tile_size=loss_module.tile_size,
+    )
+
+
+class ContrastiveModel(nn.Module):
+    """Towers (``encode_query`` / ``encode_key``) plus the ``ContrastiveLoss`` that owns the scale.
+
+    Args:
+        towers: module with ``encode_query(inputs)`` and ``encode_key(inputs)``.
+        loss: the loss module (its ``group`` is set to the engine's data-parallel group after
+            ``deepspeed.initialize``).
+    """
+
+    def __init__(self, towers: nn.Module, loss: ContrastiveLoss):
+        super().__init__()
+        for name in ("encode_query", "encode_key"):
+            if not callable(getattr(towers, name, None)):
+                raise TypeError(f"the task's towers must have a method {name}(inputs)")
+        self.towers = towers
+        self.loss = loss
+        if isinstance(loss.logit_scale, nn.Parameter) and loss.logit_scale.dim() == 0:
+            # DeepSpeed 0.19.8 broadcasts parameters as p.data.view(torch.uint8), which fails on a
+            # 0-dim tensor ("self.dim() cannot be 0 to view Float as Byte"): hold it as shape [1].
+            loss.logit_scale = nn.Parameter(loss.logit_scale.detach().reshape(1).clone())
+        if isinstance(loss.logit_scale, nn.Parameter):
+            import deepspeed
+
+            deepspeed.zero.register_external_parameter(self, loss.logit_scale)
+
+    @property
+    def learnable_scale(self) -> bool:
+        return isinstance(self.loss.logit_scale, nn.Parameter)
+
+    def _input_dtype(self) -> torch.dtype:
+        for p in self.towers.parameters():
+            if p.dtype.is_floating_point:
+                return p.dtype
+        return torch.float32
+
+    def _cast(self, inputs):
+        dtype = self._input_dtype()
+        return tree_map(lambda t: t.to(dtype) if t.is_floating_point() else t, inputs)
+
+    def encode_query(self, inputs):
+        return self.towers.encode_query(self._cast(inputs))
+
+    def encode_key(self, inputs):
+        return self.towers.encode_key(self._cast(inputs))
+
+    def forward(
+        self,
+        mode: str,
+        query_inputs=None,
+        key_inputs=None,
+        labels: Optional[torch.Tensor] = None,
+        query_grad: Optional[torch.Tensor] = None,
+        key_grad: Optional[torch.Tensor] = None,
+        scale_grad: Optional[torch.Tensor] = None,
+    ):
+        if mode == "loss":
+            q = self.encode_query(query_inputs)
+            k = self.encode_key(key_inputs)
+            return self.loss(q, k, labels), q.detach(), k.detach()
+        if mode == "encode":
+            return self.encode_query(query_inputs), self.encode_key(key_inputs)
+        if mode == "encode_query":
+            return self.encode_query(query_inputs)
+        if mode == "encode_key":
+            return self.encode_key(key_inputs)
+        if mode == "logit_scale":
+            return self.loss.logit_scale.detach().clone()
+        if mode == "surrogate":
+            q = self.encode_query(query_inputs)
+            k = self.encode_key(key_inputs)
+            out = (q.float() * query_grad).sum() + (k.float() * key_grad).sum()
+            if scale_grad is not None and self.learnable_scale:
+                out = out + (self.loss.logit_scale.float() * scale_grad).sum()
+            return out, q.detach(), k.detach()
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")

@@ -1,0 +1,178 @@
+"""One optimizer step on the DeepSpeed engine: uncached, or GradCache mapped onto micro-steps.
+
+**Uncached** (``gradient_accumulation_steps == 1``): encode this rank's whole local batch, compute
+the global loss, ``engine.backward(loss)``, ``engine.step()``.
+
+**GradCache** (DESIGN.md section 5; ``gradient_accumulation_steps`` = number of chunks):
+
+1. Encode the local batch chunk by chunk without gradients, saving the RNG state before each
+   chunk (dropout must draw the same masks in pass 3). Only the chunk being encoded is on the
+   device (the batch itself stays in, possibly pinned, CPU memory); the features of the whole
+   local batch stay on the device.
+2. Compute the global loss once from the cached features and a detached copy of ``logit_scale``,
+   and its gradients ``dL/dq``, ``dL/dk``, ``dL/dlogit_scale`` with ``torch.autograd.grad``.
+   Nothing here touches a parameter, so ZeRO's gradient hooks do not fire.
+3. For chunk ``i``: restore its RNG state, re-encode it with gradients and back-propagate the
+   surrogate ``sum(q_i * dL/dq_i) + sum(k_i * dL/dk_i) [+ logit_scale * dL/dlogit_scale]`` as one
+   DeepSpeed micro-step: ``engine.backward(surrogate, scale_wrt_gas=False)`` (the cached gradients
+   are already the exact gradient of the global loss, so DeepSpeed's ``1/gas`` scaling is undone),
+   then ``engine.step()`` (an optimizer step only at the accumulation boundary, after the last
+   chunk). The scale term carries ``dL/dlogit_scale`` in the last chunk and 0 in the others: the
+   scale's gradient is counted once per step, while every micro-step still gives every parameter
+   a gradient (ZeRO sees one backward per micro-step and the same set of gradients each time).
+
+Summed over chunks, the gradient of every parameter is the gradient of the loss over the whole
+local batch, the same as the uncached step; DeepSpeed's data-parallel mean then gives the exact
+global-batch gradient (the loss implementations keep that contract, DESIGN.md section 3.1).
+Precision: cached feature gradients are kept in float32; with fp16 the loss of pass 2 runs on
+float32 copies of the features so that ``dL/dq`` (of order ``1/B``) does not underflow before
+DeepSpeed's loss scaling applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ds_infcl.train.model import loss_from_features
+from ds_infcl.train.task import Batch
+
+__all__ = ["StepResult", "uncached_step", "grad_cache_step", "move_batch", "get_rng_state", "set_rng_state"]
+
+
+@dataclass
+class StepResult:
+    loss: float
+    num_micro_steps: int
+
+
+def get_rng_state(device: torch.device):
+    """CPU and (if ``device`` is CUDA) device RNG states."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def move_batch(batch: Batch, device: torch.device) -> Batch:
+    """The batch's inputs on ``device`` (asynchronous copies from pinned memory)."""
+    if device.type == "cpu":
+        return batch
+    return batch.map(lambda t: t.to(device, non_blocking=True))
+
+
+def _labels_on(batch: Batch, device: torch.device) -> Optional[torch.Tensor]:
+    return None if batch.labels is None else batch.labels.to(device)
+
+
+def uncached_step(engine, batch: Batch, device: torch.device) -> StepResult:
+    """Encode the local batch, backward the global loss, step (one micro-step)."""
+    chunk = move_batch(batch, device)
+    loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, _labels_on(batch, device))
+    engine.backward(loss)
+    engine.step()
+    return StepResult(float(loss.detach()), 1)
+
+
+def _feature_gradients(loss_module, query, key, labels, logit_scale, learnable: bool):
+    leaf_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
+    q = query.detach().to(leaf_dtype).requires_grad_(True)
+    k = key.detach().to(leaf_dtype).requires_grad_(True)
+    s = logit_scale.detach().clone().requires_grad_(learnable)
+    with torch.enable_grad():
+        loss = loss_from_features(loss_module, q, k, labels, s)
+        grads = torch.autograd.grad(loss, [q, k, s] if learnable else [q, k])
+    scale_grad = grads[2].float() if learnable else None
+    return loss.detach(), grads[0].float(), grads[1].float(), scale_grad
+
+
+def grad_cache_step(
+    engine,
+    batch: Batch,
+    chunk_size: int,
+    device: torch.device,
+    *,
+    verify_replay: bool = False,
+) -> StepResult:
+    """One GradCache step: ``ceil(len(batch) / chunk_size)`` micro-steps (see module docstring).
+
+    Args:
+        engine: the DeepSpeed engine wrapping a ``ContrastiveModel``; its
+            ``gradient_accumulation_steps`` must equal the number of chunks.
+        batch: this rank's local batch (CPU; pinned when CUDA is used).
+        chunk_size: queries per chunk.
+        device: where the towers run.
+        verify_replay: check that pass 3 reproduces pass 1's features (RNG replay); raises
+            ``RuntimeError`` if not.
+    """
+    model = engine.module
+    chunks = batch.chunks(chunk_size)
+    gas = engine.gradient_accumulation_steps()
+    if len(chunks) != gas:
+        raise RuntimeError(
+            f"GradCache: {len(chunks)} chunks but gradient_accumulation_steps is {gas}; the DeepSpeed "
+            "config must be resolved with resolve_deepspeed_config"
+        )
+    kpq = batch.keys_per_query
+
+    # Pass 1: features of the whole local batch, without gradients, one chunk on the device at a time.
+    rng_states: List[Tuple] = []
+    q_parts, k_parts = [], []
+    with torch.no_grad():
+        for ch in chunks:
+            rng_states.append(get_rng_state(device))
+            dev = move_batch(ch, device)
+            q, k = engine("encode", dev.query_inputs, dev.key_inputs)
+            q_parts.append(q)
+            k_parts.append(k)
+        logit_scale = engine("logit_scale")
+    rng_after = get_rng_state(device)
+    query = torch.cat(q_parts)
+    key = torch.cat(k_parts)
+    del q_parts, k_parts
+
+    # Pass 2: the global loss and its gradients with respect to the features and the scale, once.
+    loss, grad_q, grad_k, grad_s = _feature_gradients(
+        model.loss, query, key, _labels_on(batch, device), logit_scale, model.learnable_scale
+    )
+    zero_s = None if grad_s is None else torch.zeros_like(grad_s)
+
+    # Pass 3: one DeepSpeed micro-step per chunk.
+    start = 0
+    for i, ch in enumerate(chunks):
+        n = len(ch)
+        last = i == len(chunks) - 1
+        if last and not engine.is_gradient_accumulation_boundary():
+            raise RuntimeError("GradCache: the last chunk is not at DeepSpeed's accumulation boundary")
+        set_rng_state(rng_states[i], device)
+        dev = move_batch(ch, device)
+        surrogate, q, k = engine(
+            "surrogate", dev.query_inputs, dev.key_inputs, None,
+            grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq],
+            grad_s if last else zero_s,
+        )
+        if verify_replay:
+            _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
+        engine.backward(surrogate, scale_wrt_gas=False)
+        engine.step()
+        start += n
+    set_rng_state(rng_after, device)
+    return StepResult(float(loss), len(chunks))
+
+
+def _check_replay(i, q, q_cached, k, k_cached) -> None:
+    for name, a, b in (("query", q, q_cached), ("key", k, k_cached)):
+        if not torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6):
+            err = (a.float() - b.float()).abs().max().item()
+            raise RuntimeError(
+                f"GradCache replay mismatch in chunk {i}: re-encoded {name} features differ from "
+                f"the cached ones by up to {err:.3g}; the towers are not deterministic under a "
+                "restored RNG state (non-deterministic kernels, or RNG drawn outside torch)"
+            )

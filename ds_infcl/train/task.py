@@ -1,0 +1,299 @@
+"""The task interface the trainer runs, its registry, and the batch container.
+
+A task is what adapters provide (CLIP image-text, dense retrieval) and what the built-in
+synthetic task implements. The trainer knows nothing else about the model or the data:
+
+- ``build_towers()`` returns an ``nn.Module`` with ``encode_query(inputs) -> [n, c]`` and
+  ``encode_key(inputs) -> [m, c]``. The trainer wraps it with the ``ContrastiveLoss`` module (which
+  owns the logit scale) into one model for ``deepspeed.initialize``.
+- ``loss_defaults()`` gives the task's loss settings (symmetric, scale init, learnable); the run
+  config's ``loss`` section overrides them.
+- ``batches(...)`` yields one ``Batch`` per optimizer step: this rank's share of the global batch,
+  on CPU, every example tagged with its *global sample index* (FastCLIP's per-sample state and
+  exact resumption both need it). Batches must be a deterministic function of the step and the
+  rank so that ``start_step`` resumes exactly; streaming tasks may instead keep a position in
+  ``state_dict``/``load_state_dict`` (saved with every checkpoint).
+- ``evaluate(encoder, step)`` (optional) runs on every rank (ZeRO-3 forwards are collective) and
+  returns metrics; ``encoder.encode_query(inputs)`` / ``encoder.encode_key(inputs)`` run the
+  trained towers without gradients.
+
+Register a task with ``@register_task("name")`` on a factory ``factory(**args) -> Task``; the run
+config selects it with ``task.name`` and passes ``task.args``; ``task.module`` names a module to
+import first (where the registration lives).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Batch",
+    "Task",
+    "register_task",
+    "get_task",
+    "available_tasks",
+    "tree_map",
+    "SyntheticTask",
+]
+
+
+def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nest of dicts, lists and tuples."""
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(tree_map(fn, v) for v in tree)
+    return tree
+
+
+@dataclass
+class Batch:
+    """This rank's share of one step's global batch.
+
+    Attributes:
+        query_inputs: tensor or nest of tensors whose first dim is the ``b`` queries.
+        key_inputs: nest whose first dim is ``b * keys_per_query`` keys, grouped by query (the
+            keys of query i are rows ``i*kpq .. (i+1)*kpq - 1``, positive first by convention).
+        sample_index: ``[b]`` int64 global index of each query example.
+        labels: ``[b]`` index of each query's positive among the local keys; ``None`` means
+            ``arange(b) * keys_per_query``.
+        keys_per_query: keys per query (1, or 1 + hard negatives).
+    """
+
+    query_inputs: Any
+    key_inputs: Any
+    sample_index: torch.Tensor
+    labels: Optional[torch.Tensor] = None
+    keys_per_query: int = 1
+
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0])
+
+    def resolved_labels(self) -> torch.Tensor:
+        if self.labels is not None:
+            return self.labels
+        return torch.arange(len(self), dtype=torch.long) * self.keys_per_query
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        """Queries ``start:stop`` and their keys (labels are not sliced: they index the whole
+        local key set and are only used by the loss)."""
+        kpq = self.keys_per_query
+        return replace(
+            self,
+            query_inputs=tree_map(lambda t: t[start:stop], self.query_inputs),
+            key_inputs=tree_map(lambda t: t[start * kpq : stop * kpq], self.key_inputs),
+            sample_index=self.sample_index[start:stop],
+        )
+
+    def chunks(self, chunk_size: int):
+        """Consecutive ``slice``s of at most ``chunk_size`` queries."""
+        return [self.slice(i, min(i + chunk_size, len(self))) for i in range(0, len(self), chunk_size)]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        """Apply ``fn`` to every input tensor (pinning, moving to the device)."""
+        return replace(
+            self,
+            query_inputs=tree_map(fn, self.query_inputs),
+            key_inputs=tree_map(fn, self.key_inputs),
+        )
+
+
+class Task:
+    """Base class of trainable tasks; see the module docstring for the contract."""
+
+    name: str = "task"
+
+    def build_towers(self) -> nn.Module:
+        raise NotImplementedError
+
+    def loss_defaults(self) -> Dict[str, Any]:
+        """Default ``ContrastiveLoss`` keyword arguments (``symmetric``, ``init_logit_scale``,
+        ``max_logit_scale``, ``learnable_scale``)."""
+        return {"symmetric": True}
+
+    def batches(
+        self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
+    ) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def evaluate(self, encoder, step: int) -> Dict[str, float]:
+        return {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+
+_TASKS: Dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str):
+    """Decorator: register a task factory under ``name``."""
+
+    def deco(factory):
+        if name in _TASKS and _TASKS[name] is not factory:
+            raise ValueError(f"task {name!r} is already registered")
+        _TASKS[name] = factory
+        return factory
+
+    return deco
+
+
+def available_tasks() -> Tuple[str, ...]:
+    return tuple(sorted(_TASKS))
+
+
+def get_task(name: str, args: Optional[Dict[str, Any]] = None, module: Optional[str] = None) -> Task:
+    """Build the task registered as ``name`` (importing ``module`` first if given).
+
+    Raises:
+        ValueError: the module does not import, the name is unknown (valid names listed), or the
+            factory rejects ``args`` (the key is named ``task.args``).
+    """
+    from ds_infcl.train.config import ConfigError
+
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"task.module: cannot import {module!r}: {e}") from None
+    if name not in _TASKS:
+        raise ConfigError(f"task.name: unknown task {name!r}; choose one of {list(available_tasks())}")
+    try:
+        return _TASKS[name](**(args or {}))
+    except TypeError as e:
+        raise ConfigError(f"task.args: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in synthetic task
+# ----------------------------------------------------------------------------------------------
+
+
+class _MLPTower(nn.Module):
+    def __init__(self, input_dim: int, hidden_dim: int, embed_dim: int, dropout: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden_dim, embed_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.net(x), dim=-1)
+
+
+class _TwoTowers(nn.Module):
+    def __init__(self, query_tower: nn.Module, key_tower: nn.Module):
+        super().__init__()
+        self.query_tower = query_tower
+        self.key_tower = key_tower
+
+    def encode_query(self, x: torch.Tensor) -> torch.Tensor:
+        return self.query_tower(x)
+
+    def encode_key(self, x: torch.Tensor) -> torch.Tensor:
+        return self.key_tower(x)
+
+
+class SyntheticTask(Task):
+    """Two tiny MLP towers on generated pairs: a latent ``z_n ~ N(0, I)`` per global sample index
+    ``n``, seen through two fixed random linear maps plus noise (query ``A z + e``, key
+    ``B z + e'``). Everything is a deterministic function of ``data_seed`` and ``n``, so any rank
+    count, chunking or resumption sees the same examples. Evaluation: query-to-key recall@1 and
+    the loss over ``eval_size`` held-out pairs (indices ``-1 .. -eval_size``).
+
+    Args:
+        input_dim: width of query and key inputs.
+        latent_dim: width of the shared latent.
+        hidden_dim: tower hidden width.
+        embed_dim: feature dim ``c`` fed to the loss.
+        noise: std of the per-view noise.
+        dropout: dropout inside the towers (exercises GradCache's RNG replay).
+        data_seed: seed of the maps and the samples.
+        eval_size: held-out pairs for ``evaluate``.
+        symmetric: the loss default (symmetric, CLIP-like).
+    """
+
+    name = "synthetic"
+
+    def __init__(
+        self,
+        input_dim: int = 32,
+        latent_dim: int = 8,
+        hidden_dim: int = 64,
+        embed_dim: int = 16,
+        noise: float = 0.3,
+        dropout: float = 0.0,
+        data_seed: int = 1234,
+        eval_size: int = 256,
+        symmetric: bool = True,
+    ):
+        self.input_dim = input_dim
+        self.latent_dim = latent_dim
+        self.hidden_dim = hidden_dim
+        self.embed_dim = embed_dim
+        self.noise = noise
+        self.dropout = dropout
+        self.data_seed = data_seed
+        self.eval_size = eval_size
+        self.symmetric = symmetric
+        g = torch.Generator().manual_seed(data_seed)
+        self._map_q = torch.randn(latent_dim, input_dim, generator=g) / math.sqrt(latent_dim)
+        self._map_k = torch.randn(latent_dim, input_dim, generator=g) / math.sqrt(latent_dim)
+
+    def build_towers(self) -> nn.Module:
+        return _TwoTowers(
+            _MLPTower(self.input_dim, self.hidden_dim, self.embed_dim, self.dropout),
+            _MLPTower(self.input_dim, self.hidden_dim, self.embed_dim, self.dropout),
+        )
+
+    def loss_defaults(self) -> Dict[str, Any]:
+        return {"symmetric": self.symmetric}
+
+    def pairs(self, sample_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(query [n, input_dim], key [n, input_dim])`` for the given global sample indices."""
+        rows_z, rows_e = [], []
+        for n in sample_index.tolist():
+            g = torch.Generator().manual_seed((self.data_seed * 1_000_003 + int(n)) % (2**63))
+            rows_z.append(torch.randn(self.latent_dim, generator=g))
+            rows_e.append(torch.randn(2, self.input_dim, generator=g))
+        z = torch.stack(rows_z)
+        e = torch.stack(rows_e) * self.noise
+        return z @ self._map_q + e[:, 0], z @ self._map_k + e[:, 1]
+
+    def batches(self, *, rank, world_size, local_batch_size, start_step, seed) -> Iterator[Batch]:
+        global_batch = local_batch_size * world_size
+        step = start_step
+        while True:
+            start = step * global_batch + rank * local_batch_size
+            index = torch.arange(start, start + local_batch_size, dtype=torch.long)
+            q, k = self.pairs(index)
+            yield Batch(query_inputs=q, key_inputs=k, sample_index=index)
+            step += 1
+
+    def evaluate(self, encoder, step: int) -> Dict[str, float]:
+        index = -1 - torch.arange(self.eval_size, dtype=torch.long)
+        q_in, k_in = self.pairs(index)
+        q = encoder.encode_query(q_in).float()
+        k = encoder.encode_key(k_in).float()
+        sim = q @ k.T
+        target = torch.arange(len(index), device=sim.device)
+        recall = (sim.argmax(dim=1) == target).float().mean().item()
+        return {"eval_recall@1": recall}
+
+
+@register_task("synthetic")
+def _synthetic(**kwargs) -> Task:
+    return SyntheticTask(**kwargs)
