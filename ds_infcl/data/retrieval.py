@@ -1,0 +1,427 @@
+"""Dense-retrieval training data: jsonl and webdataset shards of query / positives / negatives.
+
+One example is ``{"query": str, "pos": [str, ...], "neg": [str, ...]}`` (the FlagEmbedding
+shape). Tevatron's shape is read as well and converted on the fly::
+
+    {"query": str, "positive_passages": [{"docid": .., "title": .., "text": ..}, ...],
+     "negative_passages": [...]}
+
+(a passage becomes ``"title text"`` when it has a non-empty title, else ``text``). Both may carry
+``"query_id"``/``"idx"``; every example gets a stable global index ``idx`` (its position in the
+input stream when the record has none), which FastCLIP-style per-sample state keys on.
+
+Malformed input is never dropped silently: a line that is not JSON, misses a field or has a
+field of the wrong type is skipped, counted in a :class:`MalformedTally` and reported by a
+``warnings.warn`` naming the file and the line number (the shard and the sample key for shards).
+
+Shards: ``<prefix>-000000.tar, ...`` with one member ``<idx:09d>.json`` per example holding the
+FlagEmbedding record plus ``idx``, and a ``<prefix>.json`` manifest (``ds_infcl.data.shards``).
+
+The global no-duplicate sampler (:class:`GlobalNoDuplicatesBatchSampler`) forms each step's
+*global* batch so that no text occurs twice in it across all ranks, then gives each rank its
+contiguous share; sentence-transformers' ``NoDuplicatesBatchSampler`` only looks at one rank's
+batch, so two ranks may still hold the same positive (a false negative for the ring's loss).
+
+Converter CLI::
+
+    python -m ds_infcl.data.retrieval convert IN.jsonl [IN2.jsonl ...] --out OUT.jsonl
+    python -m ds_infcl.data.retrieval convert IN.jsonl --shards OUT_DIR [--samples-per-shard N]
+
+Imports torch and webdataset only; never the loss, never deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import tarfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+from torch.utils.data import Sampler
+
+from ds_infcl.data.shards import brace_pattern, sample_key
+
+__all__ = [
+    "RetrievalExample",
+    "MalformedTally",
+    "parse_retrieval_record",
+    "iter_retrieval_jsonl",
+    "read_retrieval_jsonl",
+    "write_retrieval_jsonl",
+    "write_retrieval_shards",
+    "iter_retrieval_shards",
+    "example_texts",
+    "GlobalNoDuplicatesBatchSampler",
+    "main",
+]
+
+PathOrPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+@dataclass
+class RetrievalExample:
+    """One training query with its positive and (optional) hard-negative documents."""
+
+    query: str
+    pos: List[str]
+    neg: List[str] = field(default_factory=list)
+    idx: int = -1
+
+    def to_record(self) -> Dict[str, Any]:
+        return {"idx": self.idx, "query": self.query, "pos": list(self.pos), "neg": list(self.neg)}
+
+
+class MalformedTally:
+    """Counts skipped records by reason; ``total`` is their sum and ``where`` keeps the first
+    locations (``file:line`` or ``shard:key``) for the report."""
+
+    def __init__(self, max_locations: int = 20):
+        self.counts: Dict[str, int] = {}
+        self.where: List[str] = []
+        self.max_locations = max_locations
+
+    def add(self, reason: str, location: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.where) < self.max_locations:
+            self.where.append(location)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __repr__(self) -> str:
+        return f"MalformedTally(total={self.total}, counts={self.counts})"
+
+
+def _str_list(value: Any, name: str, allow_empty: bool) -> List[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name!r} must be a list of strings, got {type(value).__name__}")
+    if not allow_empty and not value:
+        raise ValueError(f"{name!r} is empty")
+    return value
+
+
+def _passage_text(p: Any, name: str) -> str:
+    if isinstance(p, str):
+        return p
+    if not isinstance(p, dict) or not isinstance(p.get("text"), str):
+        raise ValueError(f"{name!r} entries must be objects with a string 'text'")
+    title = p.get("title") or ""
+    if not isinstance(title, str):
+        raise ValueError(f"{name!r} entry has a non-string 'title'")
+    return f"{title} {p['text']}" if title.strip() else p["text"]
+
+
+def parse_retrieval_record(obj: Any, default_idx: int = -1) -> RetrievalExample:
+    """A :class:`RetrievalExample` from a FlagEmbedding or Tevatron record.
+
+    Raises:
+        ValueError: not an object, no string ``query``, no positive, a field of the wrong type.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"record must be a JSON object, got {type(obj).__name__}")
+    query = obj.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("missing or empty string field 'query'")
+    if "pos" in obj:
+        pos = _str_list(obj["pos"], "pos", allow_empty=False)
+        neg = _str_list(obj.get("neg", []), "neg", allow_empty=True)
+    elif "positive_passages" in obj:
+        raw_pos, raw_neg = obj["positive_passages"], obj.get("negative_passages", [])
+        if not isinstance(raw_pos, list) or not raw_pos:
+            raise ValueError("'positive_passages' must be a non-empty list")
+        if not isinstance(raw_neg, list):
+            raise ValueError("'negative_passages' must be a list")
+        pos = [_passage_text(p, "positive_passages") for p in raw_pos]
+        neg = [_passage_text(p, "negative_passages") for p in raw_neg]
+    else:
+        raise ValueError("no positives: expected 'pos' (FlagEmbedding) or 'positive_passages' (Tevatron)")
+    idx = obj.get("idx", default_idx)
+    if not isinstance(idx, int) or isinstance(idx, bool):
+        raise ValueError(f"'idx' must be an integer, got {idx!r}")
+    return RetrievalExample(query=query, pos=pos, neg=neg, idx=idx)
+
+
+def _as_paths(paths: PathOrPaths) -> List[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]
+
+
+def _report(tally: MalformedTally, reason: str, location: str) -> None:
+    tally.add(reason, location)
+    warnings.warn(f"skipping malformed retrieval record at {location}: {reason}", stacklevel=3)
+
+
+def iter_retrieval_jsonl(
+    paths: PathOrPaths, *, tally: Optional[MalformedTally] = None, strict: bool = False
+) -> Iterator[RetrievalExample]:
+    """Stream examples from one or more jsonl files (blank lines are ignored).
+
+    A malformed line is skipped with a warning ``skipping malformed retrieval record at
+    FILE:LINE: reason`` and counted in ``tally`` (``strict=True`` raises instead). Examples
+    without an ``idx`` get their running position over all files.
+    """
+    tally = tally if tally is not None else MalformedTally()
+    position = 0
+    for path in _as_paths(paths):
+        with open(path, "r", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                location = f"{path}:{line_no}"
+                try:
+                    ex = parse_retrieval_record(json.loads(line), default_idx=position)
+                except ValueError as e:  # json.JSONDecodeError is a ValueError
+                    if strict:
+                        raise ValueError(f"malformed retrieval record at {location}: {e}") from None
+                    reason = f"invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+                    _report(tally, reason, location)
+                    continue
+                position += 1
+                yield ex
+
+
+def read_retrieval_jsonl(paths: PathOrPaths, **kwargs) -> List[RetrievalExample]:
+    """``list(iter_retrieval_jsonl(...))``."""
+    return list(iter_retrieval_jsonl(paths, **kwargs))
+
+
+def write_retrieval_jsonl(examples: Iterable[RetrievalExample], path: str) -> int:
+    """Write examples in the FlagEmbedding shape (with ``idx``); returns the count."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps(ex.to_record(), ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def write_retrieval_shards(
+    examples: Iterable[RetrievalExample],
+    out_dir: str,
+    *,
+    prefix: str = "retrieval",
+    samples_per_shard: int = 10000,
+    mtime: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Write examples as webdataset shards ``<out_dir>/<prefix>-NNNNNN.tar`` plus a manifest.
+
+    Each sample is one ``<idx:09d>.json`` member with the FlagEmbedding record; examples without
+    an index (``idx < 0``) get their running position. Returns the manifest dict.
+    """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    os.makedirs(out_dir, exist_ok=True)
+    mtime = time.time() if mtime is None else mtime
+    counts: List[int] = []
+    tar = None
+    for position, ex in enumerate(examples):
+        if tar is None or counts[-1] == samples_per_shard:
+            if tar is not None:
+                tar.close()
+            tar = tarfile.open(os.path.join(out_dir, f"{prefix}-{len(counts):06d}.tar"), "w")
+            counts.append(0)
+        idx = ex.idx if ex.idx >= 0 else position
+        record = dict(ex.to_record(), idx=idx)
+        data = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        info = tarfile.TarInfo(f"{sample_key(idx)}.json")
+        info.size, info.mtime, info.mode = len(data), mtime, 0o444
+        tar.addfile(info, io.BytesIO(data))
+        counts[-1] += 1
+    if tar is not None:
+        tar.close()
+    manifest = {
+        "pattern": brace_pattern(prefix, len(counts)) if counts else "",
+        "num_shards": len(counts),
+        "samples_per_shard": counts,
+        "num_samples": sum(counts),
+        "kind": "retrieval",
+    }
+    with open(os.path.join(out_dir, f"{prefix}.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def iter_retrieval_shards(
+    urls: PathOrPaths, *, tally: Optional[MalformedTally] = None, strict: bool = False
+) -> Iterator[RetrievalExample]:
+    """Stream examples from retrieval shards (paths or brace patterns) through webdataset.
+
+    A sample with no ``.json`` member, undecodable JSON or a malformed record is skipped with a
+    warning naming ``shard:key`` and counted in ``tally``; a shard that cannot be read is
+    reported the same way (reason ``unreadable shard``) and the stream continues.
+    """
+    import braceexpand
+    import webdataset as wds
+
+    tally = tally if tally is not None else MalformedTally()
+    shard_list: List[str] = []
+    for u in _as_paths(urls):
+        shard_list.extend(braceexpand.braceexpand(u))
+    for shard in shard_list:
+        opened: List[Dict[str, Any]] = []
+        try:
+            opened = list(wds.tariterators.url_opener([{"url": shard}]))
+            stream = wds.tariterators.tar_file_expander(opened, eof_value=None)
+            samples = wds.tariterators.group_by_keys(stream)
+            for sample in samples:
+                key = sample.get("__key__", "?")
+                location = f"{shard}:{key}"
+                raw = sample.get("json")
+                if raw is None:
+                    if strict:
+                        raise ValueError(f"malformed retrieval sample at {location}: no .json member")
+                    _report(tally, "no .json member", location)
+                    continue
+                try:
+                    ex = parse_retrieval_record(json.loads(raw.decode("utf-8")))
+                except (ValueError, UnicodeDecodeError) as e:
+                    if strict:
+                        raise ValueError(f"malformed retrieval sample at {location}: {e}") from None
+                    reason = "invalid JSON" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e)
+                    _report(tally, reason, location)
+                    continue
+                yield ex
+        except (OSError, tarfile.TarError) as e:
+            if strict:
+                raise
+            _report(tally, "unreadable shard", f"{shard} ({e})")
+        finally:
+            for o in opened:
+                o["stream"].close()
+
+
+def example_texts(ex: RetrievalExample) -> Tuple[str, ...]:
+    """Every text of an example (query, positives, negatives): what must stay unique in a batch."""
+    return (ex.query, *ex.pos, *ex.neg)
+
+
+class GlobalNoDuplicatesBatchSampler(Sampler):
+    """Batches whose *global* batch (all ranks together) holds no text twice.
+
+    For each step the sampler fills a global batch of ``global_batch_size`` example indices from a
+    seeded permutation, skipping (and keeping for a later batch) any example that shares a text
+    with one already in the batch, then yields this rank's contiguous share of
+    ``global_batch_size // world_size`` indices. All ranks compute the same global batches, so no
+    communication is needed. An example whose own texts repeat (e.g. a negative equal to its
+    positive) is accepted on its own; the loss masks that case.
+
+    Args:
+        texts: per example, the texts that must not repeat in a global batch (see
+            ``example_texts``); strings are compared exactly.
+        global_batch_size: examples per step over all ranks; divisible by ``world_size``.
+        world_size, rank: the data-parallel layout (default a single process).
+        seed: permutation seed; ``set_epoch(e)`` reshuffles deterministically.
+        drop_last: drop a last global batch that could not be filled (default True: every
+            rank must get the same number of examples at every step).
+    """
+
+    def __init__(
+        self,
+        texts: Sequence[Sequence[str]],
+        global_batch_size: int,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = True,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if global_batch_size % world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}"
+            )
+        self.texts = [tuple(t) for t in texts]
+        self.global_batch_size = global_batch_size
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def global_batches(self) -> List[List[int]]:
+        """The global batches of the current epoch (the same on every rank)."""
+        order = list(range(len(self.texts)))
+        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+        batches: List[List[int]] = []
+        remaining = order
+        while remaining:
+            batch: List[int] = []
+            seen: set = set()
+            deferred: List[int] = []
+            for pos, i in enumerate(remaining):
+                texts = set(self.texts[i])
+                if texts & seen:
+                    deferred.append(i)
+                    continue
+                batch.append(i)
+                seen |= texts
+                if len(batch) == self.global_batch_size:
+                    deferred.extend(remaining[pos + 1 :])
+                    break
+            if len(batch) < self.global_batch_size and self.drop_last:
+                break
+            batches.append(batch)
+            remaining = deferred
+        return batches
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for batch in self.global_batches():
+            share = -(-len(batch) // self.world_size)
+            yield batch[self.rank * share : (self.rank + 1) * share]
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return len(self.texts) // self.global_batch_size  # an upper bound when texts repeat
+        return -(-len(self.texts) // self.global_batch_size)
+
+
+def _convert(args) -> None:
+    tally = MalformedTally()
+    examples = iter_retrieval_jsonl(args.inputs, tally=tally)
+    if args.shards:
+        manifest = write_retrieval_shards(
+            examples, args.shards, prefix=args.prefix, samples_per_shard=args.samples_per_shard
+        )
+        print(f"wrote {manifest['num_samples']} examples in {manifest['num_shards']} shards to {args.shards}")
+    else:
+        n = write_retrieval_jsonl(examples, args.out)
+        print(f"wrote {n} examples to {args.out}")
+    if tally.total:
+        print(f"skipped {tally.total} malformed records: {tally.counts}; first at {tally.where[:5]}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_infcl.data.retrieval",
+        description="Convert FlagEmbedding/Tevatron jsonl to FlagEmbedding jsonl or webdataset shards.",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    conv = sub.add_parser("convert", help="jsonl (FlagEmbedding or Tevatron shape) -> jsonl or shards")
+    conv.add_argument("inputs", nargs="+", help="input jsonl files")
+    dest = conv.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--out", help="output jsonl (FlagEmbedding shape with idx)")
+    dest.add_argument("--shards", help="output directory of webdataset shards")
+    conv.add_argument("--prefix", default="retrieval", help="shard name prefix")
+    conv.add_argument("--samples-per-shard", type=int, default=10000)
+    args = parser.parse_args(argv)
+    _convert(args)
+
+
+if __name__ == "__main__":
+    main()
