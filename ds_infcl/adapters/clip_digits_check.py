@@ -46,6 +46,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--impl", default="infcl", help="loss implementation")
+    parser.add_argument("--init-temperature", type=float, default=0.07,
+                        help="initial temperature (the learnable scale starts at its inverse)")
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
     parser.add_argument("--random-crop", type=float, default=0.0,
                         help="lower area bound of a random-resized crop (0: no augmentation)")
@@ -63,7 +65,9 @@ def main(argv=None) -> dict:
     info = read_digits_info(args.data)
 
     tokenizer = CaptionTokenizer.train(read_captions(info["train"]["urls"]), kind="wordlevel", context_length=16)
-    model = ClipModel.from_architecture(args.arch, tokenizer, loss_impl=args.impl)
+    model = ClipModel.from_architecture(
+        args.arch, tokenizer, loss_impl=args.impl, init_logit_scale=math.log(1 / args.init_temperature)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]

@@ -1,0 +1,256 @@
+"""The CLIP image-text task for the trainer: towers, webdataset batches, zero-shot evaluation.
+
+``ClipTask`` follows the trainer's ``Task`` interface (``ds_infcl.train.task``) by its methods;
+this module does not import the trainer (adapters never do), so ``batches`` yields plain dicts
+with the fields of the trainer's ``Batch`` (``query_inputs``, ``key_inputs``, ``sample_index``)
+and the trainer's registration wraps them::
+
+    @register_task("clip")
+    def _clip(**args):
+        return <Task wrapper converting dicts to Batch>(ClipTask(**args))
+
+Data: either the built-in digits (``data_dir`` without manifests: the shards are written there
+on first use) or any shard folder with ``train.json``/``heldout.json`` manifests written by the
+shard writer, or explicit brace patterns (``train_shards``, ``heldout_shards``).
+
+Model: a named architecture (``arch``) trained from scratch, or a folder (``model_path``): one
+written by ``ClipModel.save`` or a Hugging Face ``CLIPModel`` checkpoint. The tokenizer comes
+from ``tokenizer_path``, else the model folder, else it is trained on the training captions
+(deterministically, so every rank builds the same one).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ds_infcl.adapters.clip import CONFIG_NAME, ClipModel
+from ds_infcl.adapters.clip_eval import evaluate_encoders
+from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
+from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions, read_manifest
+from ds_infcl.data.digits import read_digits_info, write_digits_shards
+
+__all__ = ["ClipTask", "ensure_digits_shards"]
+
+
+def ensure_digits_shards(data_dir: str, seed: int = 0) -> Dict[str, Any]:
+    """``read_digits_info(data_dir)``, writing the shards first if missing. Safe when several
+    ranks call it at once: each writes to a private folder and the first rename wins."""
+    if not os.path.exists(os.path.join(data_dir, "digits.json")):
+        parent = os.path.dirname(os.path.abspath(data_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".digits-", dir=parent)
+        try:
+            write_digits_shards(tmp, seed=seed)
+            try:
+                os.rename(tmp, data_dir)
+            except OSError:  # another rank (or an existing empty folder) got there first
+                if not os.path.exists(os.path.join(data_dir, "digits.json")):
+                    if os.path.isdir(data_dir) and not os.listdir(data_dir):
+                        os.rmdir(data_dir)
+                        os.rename(tmp, data_dir)
+                    else:
+                        raise
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+    return read_digits_info(data_dir)
+
+
+class ClipTask:
+    """CLIP on image + caption shards (the built-in digits by default).
+
+    Args:
+        data_dir: digits shard folder (written if missing) or a folder with ``train.json`` and
+            ``heldout.json`` manifests.
+        train_shards, heldout_shards: brace patterns, instead of ``data_dir``'s manifests.
+        arch: named architecture or JSON file, trained from scratch (ignored with ``model_path``).
+        model_path: a ``ClipModel.save`` folder or a local HF ``CLIPModel`` checkpoint.
+        tokenizer_path: folder with ``tokenizer.json``; default ``model_path``, else trained.
+        tokenizer_kind, context_length, vocab_size: for a trained tokenizer.
+        lock_image, lock_text: LiT-style locked towers.
+        init_temperature: initial temperature of the learnable scale (CLIP: 0.07).
+        class_names, zero_shot_templates: zero-shot prompts (default: the digits').
+        shuffle_buffer, num_workers, resampled: the training stream (``repeat`` unless
+            ``resampled``).
+        random_crop: lower area bound of a random-resized-crop augmentation (``None``: none).
+        eval_batch_size: held-out batch size.
+        seed: data seed of the digits split and captions.
+    """
+
+    name = "clip"
+
+    def __init__(
+        self,
+        data_dir: Optional[str] = "data/digits",
+        *,
+        train_shards: Optional[str] = None,
+        heldout_shards: Optional[str] = None,
+        arch: str = "digits-tiny",
+        model_path: Optional[str] = None,
+        tokenizer_path: Optional[str] = None,
+        tokenizer_kind: str = "wordlevel",
+        context_length: int = 16,
+        vocab_size: int = 8192,
+        lock_image: bool = False,
+        lock_text: bool = False,
+        init_temperature: float = 0.07,
+        class_names: Optional[Sequence] = None,
+        zero_shot_templates: Optional[Sequence[str]] = None,
+        shuffle_buffer: int = 1000,
+        num_workers: int = 0,
+        resampled: bool = False,
+        random_crop: Optional[float] = None,
+        eval_batch_size: int = 512,
+        seed: int = 0,
+    ):
+        if init_temperature <= 0:
+            raise ValueError(f"init_temperature must be > 0, got {init_temperature}")
+        info: Dict[str, Any] = {}
+        if train_shards is None:
+            if data_dir is None:
+                raise ValueError("give data_dir or train_shards")
+            if os.path.exists(os.path.join(data_dir, "train.json")) and not os.path.exists(
+                os.path.join(data_dir, "digits.json")
+            ):
+                info["train"] = read_manifest(os.path.join(data_dir, "train.json"))
+                heldout = os.path.join(data_dir, "heldout.json")
+                if os.path.exists(heldout):
+                    info["heldout"] = read_manifest(heldout)
+            else:
+                info = ensure_digits_shards(data_dir, seed=seed)
+            train_shards = info["train"]["urls"]
+            if heldout_shards is None and "heldout" in info:
+                heldout_shards = info["heldout"]["urls"]
+        self.train_shards = train_shards
+        self.heldout_shards = heldout_shards
+        self.class_names = class_names if class_names is not None else info.get("class_names")
+        self.zero_shot_templates = (
+            zero_shot_templates if zero_shot_templates is not None else info.get("zero_shot_templates")
+        )
+        self.arch = arch
+        self.model_path = model_path
+        self.lock_image, self.lock_text = lock_image, lock_text
+        self.init_temperature = init_temperature
+        self.shuffle_buffer = shuffle_buffer
+        self.num_workers = num_workers
+        self.resampled = resampled
+        self.random_crop = random_crop
+        self.eval_batch_size = eval_batch_size
+
+        tok_dir = tokenizer_path or model_path
+        if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+            self.tokenizer = CaptionTokenizer.load(tok_dir)
+        else:
+            self.tokenizer = CaptionTokenizer.train(
+                read_captions(train_shards), kind=tokenizer_kind, context_length=context_length,
+                vocab_size=vocab_size,
+            )
+        self._towers: Optional[ClipModel] = None
+        self._heldout: Optional[List[Dict[str, Any]]] = None
+        self.tally = BadSampleTally()
+        self.batches_consumed = 0
+
+    # -- the Task interface ----------------------------------------------------------------------
+
+    def build_towers(self) -> ClipModel:
+        """The towers without a loss (the trainer owns the ``ContrastiveLoss``)."""
+        kwargs = dict(lock_image=self.lock_image, lock_text=self.lock_text, with_loss=False)
+        if self.model_path is None:
+            towers = ClipModel.from_architecture(self.arch, self.tokenizer, **kwargs)
+        elif os.path.exists(os.path.join(self.model_path, CONFIG_NAME)):
+            towers = ClipModel.load(self.model_path, **kwargs)
+        else:
+            towers = ClipModel.from_hf_clip(self.model_path, **kwargs)
+        self._towers = towers
+        return towers
+
+    def loss_defaults(self) -> Dict[str, Any]:
+        return {
+            "symmetric": True,
+            "init_logit_scale": math.log(1 / self.init_temperature),
+            "max_logit_scale": math.log(100.0),
+            "learnable_scale": True,
+        }
+
+    def _transform(self, train: bool) -> ImageTransform:
+        towers = self._towers if self._towers is not None else None
+        if towers is None:
+            raise RuntimeError("build_towers() must run before the data (it fixes the image size)")
+        if train and self.random_crop:
+            return ImageTransform(towers.image_size, towers.image_mean, towers.image_std, train=True,
+                                  random_crop_scale=(self.random_crop, 1.0))
+        return ImageTransform(towers.image_size, towers.image_mean, towers.image_std)
+
+    def batches(
+        self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
+    ) -> Iterator[Dict[str, Any]]:
+        """Endless stream of this rank's batches: dicts with ``query_inputs`` (images
+        ``[b, 3, H, W]``), ``key_inputs`` (``input_ids``, ``attention_mask`` ``[b, L]``) and
+        ``sample_index`` (``[b]`` global index). ``start_step`` batches are skipped (decoded and
+        dropped: the stream is a deterministic function of seed, rank and worker count)."""
+        dataset = ImageTextShards(
+            self.train_shards, image_transform=self._transform(train=True), batch_size=local_batch_size,
+            tokenizer=self.tokenizer, rank=rank, world_size=world_size, shuffle_buffer=self.shuffle_buffer,
+            repeat=not self.resampled, resampled=self.resampled, drop_last=True, seed=seed,
+        )
+        stream = iter(image_text_loader(dataset, num_workers=self.num_workers))
+        for _ in range(start_step):
+            self.tally.update(next(stream))
+        self.batches_consumed = start_step
+        for batch in stream:
+            self.tally.update(batch)
+            self.batches_consumed += 1
+            yield {
+                "query_inputs": batch["image"],
+                "key_inputs": {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+                "sample_index": batch["idx"],
+            }
+
+    def heldout_batches(self) -> List[Dict[str, Any]]:
+        """The held-out set, decoded once (every rank evaluates all of it)."""
+        if self._heldout is None:
+            if self.heldout_shards is None:
+                self._heldout = []
+            else:
+                data = ImageTextShards(
+                    self.heldout_shards, image_transform=self._transform(train=False),
+                    batch_size=self.eval_batch_size, shuffle_shards=False, split="sample",
+                )
+                self._heldout = list(data)
+        return self._heldout
+
+    def evaluate(self, encoder, step: int) -> Dict[str, float]:
+        """Zero-shot accuracy and recall@1/5/10 on the held-out shards (see ``evaluate_encoders``),
+        plus ``bad_samples``: training samples this rank skipped so far."""
+        metrics: Dict[str, float] = {"bad_samples": float(self.tally.total)}
+        batches = self.heldout_batches()
+        if not batches:
+            return metrics
+
+        def encode_text(texts: List[str]) -> torch.Tensor:
+            tokens = self.tokenizer(texts)
+            return encoder.encode_key({"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]})
+
+        metrics.update(evaluate_encoders(
+            encoder.encode_query, encode_text, batches,
+            class_names=self.class_names, templates=self.zero_shot_templates,
+        ))
+        return metrics
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"batches_consumed": self.batches_consumed, "bad_samples": self.tally.counts}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        # The position is replayed from the trainer's start_step; nothing else to restore.
+        pass
+
+    def save_pretrained(self, folder: str, towers: ClipModel, logit_scale: torch.Tensor) -> None:
+        """Write the trained model (towers, the trainer's logit scale, tokenizer) as a folder that
+        ``ClipModel.load`` / ``load_clip`` read."""
+        towers.save(folder, tokenizer=self.tokenizer, logit_scale=logit_scale)

@@ -1,0 +1,71 @@
+"""The CLIP task the trainer drives: digits shards written on first use, towers without a loss,
+per-rank batches with global indices, evaluation through encoder callables, export."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ds_infcl.adapters.clip import ClipModel
+from ds_infcl.adapters.clip_task import ClipTask, ensure_digits_shards
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("digits") / "digits")
+    info = ensure_digits_shards(path)
+    assert info["train"]["num_samples"] + info["heldout"]["num_samples"] == 1797
+    return path
+
+
+def test_digits_split_and_captions(digits_dir):
+    from ds_infcl.data import read_captions
+    from ds_infcl.data.digits import read_digits_info
+
+    info = read_digits_info(digits_dir)
+    assert info["heldout"]["num_samples"] == 359 and len(info["train"]["shard_sizes"]) == 8
+    captions = read_captions(info["train"]["urls"])
+    assert len(captions) == 1438 and len(set(captions)) > 100  # varied captions
+    assert any(c.startswith("the digit ") for c in captions) and any(c.isdigit() for c in captions)
+    # a second call (another rank) reuses the shards
+    assert ensure_digits_shards(digits_dir)["train"] == info["train"]
+
+
+def test_task_towers_batches_evaluate_export(digits_dir, tmp_path):
+    task = ClipTask(digits_dir, arch="tiny", shuffle_buffer=50)
+    again = ClipTask(digits_dir, arch="tiny")
+    assert task.tokenizer.tokenizer.get_vocab() == again.tokenizer.tokenizer.get_vocab()  # same on every rank
+    assert task.loss_defaults()["init_logit_scale"] == pytest.approx(math.log(1 / 0.07))
+    torch.manual_seed(0)
+    towers = task.build_towers()
+    assert towers.loss is None
+
+    seen = []
+    for rank in range(2):
+        stream = task.batches(rank=rank, world_size=2, local_batch_size=16, start_step=0, seed=0)
+        for _ in range(3):
+            b = next(stream)
+            assert b["query_inputs"].shape == (16, 3, 32, 32)
+            assert b["key_inputs"]["input_ids"].shape == (16, 16)
+            seen += b["sample_index"].tolist()
+            f_img = towers.encode_query(b["query_inputs"])
+            f_txt = towers.encode_key(b["key_inputs"])
+            assert f_img.shape == f_txt.shape == (16, 32)
+    assert len(seen) == len(set(seen)) == 96  # ranks read disjoint shards
+    # start_step skips batches: the stream continues where it left off
+    first = task.batches(rank=0, world_size=2, local_batch_size=16, start_step=0, seed=0)
+    skipped = [next(first)["sample_index"] for _ in range(3)][-1]
+    resumed = next(task.batches(rank=0, world_size=2, local_batch_size=16, start_step=2, seed=0))
+    assert torch.equal(resumed["sample_index"], skipped)
+
+    metrics = task.evaluate(towers, step=0)  # the towers have the encoder's two methods
+    assert metrics["num_images"] == 359 and metrics["bad_samples"] == 0
+    assert 0 <= metrics["zero_shot_top1"] <= 1 and "label_text_to_image_R@5" in metrics
+    assert json.dumps(task.state_dict())
+
+    task.save_pretrained(str(tmp_path / "model"), towers, torch.tensor([math.log(20.0)]))
+    model = ClipModel.load(str(tmp_path / "model"))
+    assert model.loss.scale.item() == pytest.approx(20.0)
+    assert os.path.exists(tmp_path / "model" / "tokenizer.json")
