@@ -4,10 +4,14 @@ implementations (Inf-CL and the baselines)."""
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
 from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
+from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
 
 __all__ = [
     "ClipLoss",
     "ContrastiveLoss",
+    "FastCLIPLoss",
+    "available_fastclip_losses",
+    "build_fastclip_loss",
     "available_loss_impls",
     "clip_loss",
     "compose_infonce",
