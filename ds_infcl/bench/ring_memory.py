@@ -80,7 +80,7 @@ def _worker(rank, world, port, out_dir, points, c, tile):
 
 
 def measure(world: int, batch: Sequence[int], impls: Sequence[str] = IMPLS, c: int = 128,
-            tile: int = 256, max_global_logits: float = 2**28, timeout: float = 600) -> List[Dict]:
+            tile: int = 256, max_global_logits: float = 2**26, timeout: float = 600) -> List[Dict]:
     """Peak extra memory per rank for every (impl, b); rows sorted by impl then b.
 
     Points whose materialized logits would exceed ``max_global_logits`` elements (``vanilla``:
@@ -146,7 +146,7 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="+", default=list(IMPLS))
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tile", type=int, default=256)
-    parser.add_argument("--max-logits", type=float, default=2**28,
+    parser.add_argument("--max-logits", type=float, default=2**26,
                         help="skip points whose materialized logits exceed this many elements")
     parser.add_argument("--out", default=None, help="folder for ring_memory.csv")
     args = parser.parse_args(argv)

@@ -136,6 +136,33 @@ def run_mismatch(rank, case):
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def check_default_group():
+    """``group=None`` resolves to DeepSpeed's data-parallel group once DeepSpeed has a mesh or an
+    mpu, and to torch's world group otherwise (a stub stands in for ``deepspeed.utils.groups``)."""
+    import sys
+    import types
+
+    from ds_infcl.ring import default_group, group_size, resolve_group
+
+    assert default_group() is None  # deepspeed not imported here
+    stub = types.ModuleType("deepspeed.utils.groups")
+    stub.mesh_device, stub.mpu = None, None
+    sentinel = object()
+    stub._get_data_parallel_group = lambda: sentinel
+    sys.modules["deepspeed.utils.groups"] = stub
+    try:
+        assert default_group() is None  # plain data parallelism: the world group
+        stub.mesh_device = object()
+        assert default_group() is sentinel and resolve_group(None) is sentinel
+        stub.mesh_device = None
+        stub.mpu = object()
+        assert default_group() is sentinel
+    finally:
+        del sys.modules["deepspeed.utils.groups"]
+    assert group_size(None) == 1
+    return True
+
+
 def worker(rank, world, payload):
     """Runs every case of ``payload`` on this rank (called under ``ring_harness.spawn``)."""
     import torch.distributed as dist
@@ -150,4 +177,6 @@ def worker(rank, world, payload):
                 setattr(dist, name, forbidden)
     results = {"cases": [run_case(rank, case, seed) for seed, case in enumerate(payload["cases"])]}
     results["mismatch"] = [run_mismatch(rank, case) for case in payload.get("mismatch", [])]
+    if payload.get("check_default_group"):
+        results["default_group"] = check_default_group()
     return results

@@ -101,7 +101,9 @@ def test_all_impls_match_reference(world):
 
 def test_world_size_one_does_no_communication():
     """A one-rank group: every implementation matches the reference with every collective and
-    P2P function replaced by one that fails."""
+    P2P function replaced by one that fails. Also the resolution of ``group=None``."""
     cases = loss_cases(1) + lse_cases(1)
-    results = spawn(worker, 1, {"cases": cases, "forbid_communication": True}, timeout=90)
+    payload = {"cases": cases, "forbid_communication": True, "check_default_group": True}
+    results = spawn(worker, 1, payload, timeout=90)
     check_results(cases, results, 1)
+    assert results[0]["default_group"] is True

@@ -1,0 +1,241 @@
+"""GPU benchmark of the loss across GPUs: the ring (``infcl``) against ``local``, ``disco`` and
+``vanilla``, per-GPU memory and time per step, and the ring's weak-scaling efficiency.
+
+Run under torchrun on NCCL (one process per GPU)::
+
+    torchrun --nproc_per_node 2 -m ds_infcl.bench.ring --out docs/bench
+    torchrun --nproc_per_node 4 -m ds_infcl.bench.ring --out docs/bench --batch 16384 65536
+
+Every point: symmetric loss (CLIP), per-GPU batch ``b`` queries and ``b`` keys of dim ``c``
+(default 512) in bf16, normalized random features, a learnable scale tensor; one step is the loss
+forward and backward (``check_finite=False``). Reported per point, over the ranks:
+
+- ``ms``: median time of a step (CUDA events), the slowest rank;
+- ``extra_gib``: peak CUDA memory of one step beyond the inputs and their preallocated gradients,
+  the largest rank;
+- ``tflops``: ``8 * b * B * c`` FLOPs per GPU (the work of its share: one forward tile GEMM and
+  three backward GEMMs over its ``b`` queries against all ``B`` keys) per second;
+- ``weak_eff`` (``infcl``): the single-GPU time of the same loss on the global batch ``W * b``
+  (every GPU runs it alone at once, the fastest counts) divided by ``W``, over the ring's time.
+
+Baselines materialize float32 logits (they upcast bf16 features for exact gradients); TF32
+matmuls are allowed for them unless ``--no-tf32``. Points whose logits would not fit in free
+memory are skipped (``skipped``); an out-of-memory error gives ``oom``. Rank 0 writes
+``ring_<gpu>_w<W>.csv`` under ``--out`` and prints the table last, then the largest global batch
+each implementation ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+IMPLS = ("infcl", "local", "disco", "vanilla")
+FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "backend", "ms",
+          "extra_gib", "tflops", "single_gpu_ms", "weak_eff", "status"]
+
+
+def _logit_bytes(impl: str, b: int, world: int) -> float:
+    """Rough peak of the materialized float32 logits and their temporaries (5 matrices)."""
+    if impl == "vanilla":
+        return 5 * 4 * (world * b) ** 2
+    if impl in ("local", "disco"):
+        return 5 * 4 * 2 * b * (world * b)
+    return 0.0
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _all_reduce(value: float, op, group) -> float:
+    t = torch.tensor([value], device=_DEVICE, dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return t.item()
+
+
+# "cuda" on GPUs (NCCL); "cpu" only for a functional smoke run of this script on gloo
+# (``--cpu-smoke``): no memory numbers, wall-clock times.
+_DEVICE = "cuda"
+
+
+def _sync():
+    if _DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _now_ms() -> float:
+    _sync()
+    return time.perf_counter() * 1e3
+
+
+def run_point(impl, b, c, dtype, group, args):
+    """One (impl, b) point on ``group``: (median ms, extra GiB, status), reduced over the group."""
+    from ds_infcl.loss import contrastive_loss
+
+    world = dist.get_world_size(group)
+    free = torch.cuda.mem_get_info()[0] if _DEVICE == "cuda" else float("inf")
+    need = _logit_bytes(impl, b, world)
+    fits = _all_reduce(float(need < 0.9 * free), dist.ReduceOp.MIN, group)
+    if not fits:
+        return float("nan"), float("nan"), f"skipped (~{need / 2**30:.0f} GiB of logits)"
+    status, ms, extra = "ok", float("nan"), float("nan")
+    oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
+    q = k = scale = None
+    try:
+        g = torch.Generator(device=_DEVICE).manual_seed(1234 + dist.get_rank())
+        q = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
+        k = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
+        q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
+        scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
+        q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
+
+        def step():
+            loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
+                                    group=group, check_finite=False)
+            loss.backward()
+
+        def timed() -> float:
+            if _DEVICE != "cuda":
+                t0 = _now_ms()
+                step()
+                return _now_ms() - t0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+
+        for _ in range(args.warmup):
+            step()
+        _sync()
+        if _DEVICE == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        first = timed()
+        if _DEVICE == "cuda":
+            extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+        reps = int(max(args.min_reps, min(args.reps, args.seconds_per_point * 1e3 / max(first, 1e-3))))
+        ms = _quantile([timed() for _ in range(reps)], 0.5)
+    except oom:
+        status = "oom"
+    q = k = scale = None
+    if _DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    ok = _all_reduce(float(status == "ok"), dist.ReduceOp.MIN, group)
+    if not ok:
+        return float("nan"), float("nan"), "oom"
+    return (_all_reduce(ms, dist.ReduceOp.MAX, group), _all_reduce(extra, dist.ReduceOp.MAX, group),
+            "ok")
+
+
+def _fmt(x, spec):
+    return "-" if x != x else format(x, spec)
+
+
+def format_table(rows) -> str:
+    lines = ["| impl | b per GPU | global B | ms/step | extra GiB/GPU | TFLOP/s/GPU | 1-GPU ms (B) | "
+             "weak-scaling eff | status |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['impl']} | {r['b']:,} | {r['global_batch']:,} | {_fmt(r['ms'], '.1f')} | "
+            f"{_fmt(r['extra_gib'], '.2f')} | {_fmt(r['tflops'], '.1f')} | "
+            f"{_fmt(r['single_gpu_ms'], '.1f')} | {_fmt(r['weak_eff'] * 100, '.0f')}"
+            f"{'%' if r['weak_eff'] == r['weak_eff'] else ''} | {r['status']} |"
+        )
+    largest = {}
+    for r in rows:
+        if r["status"] == "ok":
+            largest[r["impl"]] = max(largest.get(r["impl"], 0), r["global_batch"])
+    lines.append("")
+    lines.append("largest global batch that ran: " + ", ".join(
+        f"{impl} {largest.get(impl, 0):,}" for impl in dict.fromkeys(r["impl"] for r in rows)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072],
+                    help="per-GPU batch sizes")
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--min-reps", type=int, default=3)
+    ap.add_argument("--seconds-per-point", type=float, default=3.0)
+    ap.add_argument("--no-weak-scaling", action="store_true", help="skip the single-GPU runs")
+    ap.add_argument("--no-tf32", action="store_true")
+    ap.add_argument("--out", default=None, help="folder for the CSV (rank 0)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run on CPU processes with gloo (checks the script, not the numbers)")
+    args = ap.parse_args(argv)
+
+    global _DEVICE
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu_smoke:
+        _DEVICE = "cpu"
+        dist.init_process_group("gloo")
+        device_name = "cpu-smoke"
+    else:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
+        device_name = torch.cuda.get_device_name()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    solo, _ = dist.new_subgroups(group_size=1)  # every rank alone: the single-GPU reference
+    from ds_infcl.ops import resolve_backend
+
+    backend = resolve_backend(args.backend, torch.device(_DEVICE))
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
+    rows = []
+    for b in args.batch:
+        for impl in args.impls:
+            ms, extra, status = run_point(impl, b, args.dim, dtype, None, args)
+            single = eff = float("nan")
+            if impl == "infcl" and status == "ok" and world > 1 and not args.no_weak_scaling:
+                s_ms, _, s_status = run_point("infcl", world * b, args.dim, dtype, solo, args)
+                # Ranks ran alone: agree on the status before reducing the times (no hang).
+                if _all_reduce(float(s_status == "ok"), dist.ReduceOp.MIN, None):
+                    single = _all_reduce(s_ms, dist.ReduceOp.MIN, None)
+                    eff = single / world / ms
+            flops = 8 * b * world * b * args.dim
+            row = dict(gpu=gpu, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), world=world,
+                       impl=impl, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
+                       backend=backend if impl == "infcl" else "torch (fp32 logits)", ms=ms,
+                       extra_gib=extra, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
+                       single_gpu_ms=single, weak_eff=eff, status=status)
+            rows.append(row)
+            if rank == 0:
+                print(f"[{impl} b={b}] {status} ms={_fmt(ms, '.1f')} extra={_fmt(extra, '.2f')} GiB "
+                      f"eff={_fmt(eff, '.2f')}", flush=True)
+    if rank == 0:
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"ring_{gpu}_w{world}.csv")
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=FIELDS)
+                w.writeheader()
+                w.writerows(rows)
+            print(f"csv written: {path}")
+        print(f"\n{world} x {device_name}, c = {args.dim}, {args.dtype}, symmetric, "
+              f"ring backend {backend}, torch {torch.__version__}")
+        print(format_table(rows))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
