@@ -267,8 +267,9 @@ class FastCLIPLoss(_KeepFP32):
         state_device: where the per-sample state lives (``None``: with the module; ``"cpu"``).
 
     Inputs: ``image_features [b, c]``, ``text_features [b, c]`` (pairs, row i with row i; L2
-    normalization is the caller's, as for CLIP), ``sample_index [b]`` int64 global indices,
-    distinct across the global batch.
+    normalization is the caller's, as for CLIP), ``sample_index [b]`` int64 global indices (a
+    sample that occurs twice in one global batch updates its state from its first occurrence in
+    rank order).
 
     Returns: 0-dim float32 tensor, the same on every rank. Its *value* is the running estimate of
     the global objective (with the updated u); its *gradient* with respect to the features is the
@@ -429,22 +430,43 @@ class FastCLIPLoss(_KeepFP32):
             return float(0.5 * (self.tau1.mean() + self.tau2.mean()))
         return float(self.tau.item())
 
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        """``log(1 / temperature)`` (0-dim, not a parameter): what trainers log as the scale."""
+        return torch.tensor(-math.log(self.temperature), dtype=_F32, device=self.tau.device)
+
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(
         self,
         image_features: torch.Tensor,
         text_features: torch.Tensor,
-        sample_index: torch.Tensor,
+        sample_index: Optional[torch.Tensor] = None,
         *,
+        labels: Optional[torch.Tensor] = None,
         epoch: Optional[int] = None,
         update: bool = True,
     ) -> torch.Tensor:
+        """See the class docstring. ``labels`` (passed by the trainer) must be ``None`` or the
+        diagonal ``arange(b)``: FastCLIP contrasts pairs. ``epoch`` sets the epoch first;
+        ``update=False`` leaves every state and the temperature untouched (evaluation)."""
         from ds_infcl.loss.functional import lse  # the functional imports the registry
 
         q, k = image_features, text_features
         group = resolve_group(self.group)
+        if sample_index is None:
+            raise ValueError(
+                "FastCLIPLoss needs sample_index (the global index of every pair): pass it to "
+                "forward (the trainer passes the batch's sample_index)"
+            )
         self._check_inputs(q, k, sample_index)
+        if labels is not None:
+            diag = torch.arange(q.shape[0], device=labels.device)
+            if labels.shape != diag.shape or not torch.equal(labels.long(), diag):
+                raise ValueError(
+                    "FastCLIPLoss contrasts image-text pairs: labels must be None or arange(b) "
+                    "(no hard negatives)"
+                )
         layout = exchange_layout(q, k, group, protocol="ring_lse", flags=0)
         num_pairs = layout.num_queries
         if layout.num_keys != num_pairs or any(a != b for a, b in zip(layout.query_sizes, layout.key_sizes)):
@@ -600,10 +622,14 @@ class FastCLIPLoss(_KeepFP32):
         payload = payload.to(self.log_u1.device)
         gidx = payload[:, 0].round().long()
         if torch.unique(gidx).numel() != gidx.numel():
-            raise ValueError(
-                "sample_index has duplicates across the global batch; FastCLIP needs every "
-                "sample at most once per step"
-            )
+            # A sample twice in one global batch (a shuffle buffer spanning an epoch boundary):
+            # its first occurrence in rank order updates the state, the same on every rank.
+            order = torch.argsort(gidx, stable=True)
+            sorted_idx = gidx[order]
+            first = torch.ones_like(sorted_idx, dtype=torch.bool)
+            first[1:] = sorted_idx[1:] != sorted_idx[:-1]
+            keep = order[first]
+            payload, gidx = payload[keep], gidx[keep]
         self.log_u1[gidx] = payload[:, 1].float()
         self.log_u2[gidx] = payload[:, 2].float()
         if extra is not None:

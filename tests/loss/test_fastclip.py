@@ -371,8 +371,6 @@ def test_registry_names():
 def test_input_errors():
     m = FastCLIPLoss(10, version="v3", backend="torch")
     q, k = _pairs(4, 5, 9)
-    with pytest.raises(ValueError, match="duplicates"):
-        m(q, k, torch.tensor([1, 2, 2, 3]))
     with pytest.raises(ValueError, match="out of range"):
         m(q, k, torch.tensor([1, 2, 3, 10]))
     with pytest.raises(ValueError, match="one sample index per"):
@@ -387,3 +385,36 @@ def test_input_errors():
         FastCLIPLoss(10, version="v4")
     with pytest.raises(ValueError, match="temperature_optimizer"):
         FastCLIPLoss(10, temperature_optimizer="adam")
+
+
+def test_trainer_contract_labels_logit_scale_and_no_update():
+    """What the DeepSpeed trainer relies on: ``forward(q, k, labels=..., sample_index=...)``,
+    a ``group`` attribute, ``logit_scale`` (not a parameter), and an evaluation forward that
+    changes nothing."""
+    m = FastCLIPLoss(10, version="v3", backend="torch")
+    q, k = _pairs(4, 5, 11)
+    idx = torch.tensor([2, 5, 7, 9])
+    assert not isinstance(m.logit_scale, torch.nn.Parameter) and hasattr(m, "group")
+    assert m.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    loss_eval = m(q, k, labels=torch.arange(4), sample_index=idx, update=False)
+    for n, t in m.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    loss = m(q, k, labels=torch.arange(4), sample_index=idx)
+    assert loss.item() == pytest.approx(loss_eval.item())
+    assert m.logit_scale.item() == pytest.approx(-math.log(m.temperature))
+    with pytest.raises(ValueError, match="labels"):
+        m(q, k, labels=torch.tensor([1, 0, 2, 3]), sample_index=idx)
+    with pytest.raises(ValueError, match="sample_index"):
+        m(q, k)
+
+
+def test_duplicate_index_in_a_batch_updates_from_first_occurrence():
+    q, k = _pairs(5, 6, 12)
+    m = FastCLIPLoss(10, version="v2", backend="torch")
+    m(q, k, torch.tensor([4, 1, 4, 7, 1]))
+    ref = FastCLIPLoss(10, version="v2", backend="torch")
+    ref(q, k, torch.tensor([4, 1, 8, 7, 9]))  # same rows; the repeats go to unused indices
+    for name in ("log_u1", "log_u2", "tau1", "tau2"):
+        got, want = getattr(m, name), getattr(ref, name)
+        assert torch.equal(got[[4, 1, 7]], want[[4, 1, 7]]), name
