@@ -31,6 +31,10 @@ def loss_cases(world):
     for impl in IMPLS:
         cases.append(dict(kind="loss", impl=impl, symmetric=True, hard=1, dtype="fp32",
                           sizes=SIZES[world]["unequal"], c=9, scale=2.5, normalize=False))
+    # The nn.Module with a learnable logit scale (the parameter ZeRO manages).
+    for impl, sym, hard in [("infcl", True, 0), ("local", False, 1), ("vanilla", True, 0)]:
+        cases.append(dict(kind="module", impl=impl, symmetric=sym, hard=hard, dtype="fp32",
+                          sizes=SIZES[world]["unequal"], c=12, scale=8.0, normalize=True))
     return cases
 
 
@@ -96,6 +100,18 @@ def run_case(rank, case, seed, tile_size=3, group=None):
                                 backend=backend, group=group, tile_size=tile_size)
         loss.backward()
         out["loss"] = loss.item()
+    elif case["kind"] == "module":
+        import math
+
+        from ds_infcl.loss import ContrastiveLoss
+
+        module = ContrastiveLoss(symmetric=case["symmetric"], impl=case["impl"], backend=backend,
+                                 tile_size=tile_size, init_logit_scale=math.log(case["scale"]))
+        loss = module(q, k, labels)
+        loss.backward()
+        out["loss"] = loss.item()
+        # d loss / d logit_scale = scale * d loss / d scale: report it as a scale gradient.
+        scale.grad = module.logit_scale.grad / case["scale"]
     else:
         row, col = lse(q, k, scale, labels=labels, exclude_positive=case["exclude_positive"],
                        compute_col=case["compute_col"], backend=backend, group=group,
@@ -163,6 +179,13 @@ def check_default_group():
     return True
 
 
+def subgroup_cases():
+    """Cases run on 2-rank subgroups {0, 2} and {1, 3} of a 4-rank world: group ranks differ from
+    global ranks, so the P2P peers must be mapped (``dist.get_global_rank``)."""
+    return [c for c in loss_cases(2) if c["dtype"] == "fp32" and c["sizes"] == SIZES[2]["unequal"]
+            and c["kind"] == "loss"][:10] + lse_cases(2)[:2]
+
+
 def worker(rank, world, payload):
     """Runs every case of ``payload`` on this rank (called under ``ring_harness.spawn``)."""
     import torch.distributed as dist
@@ -177,6 +200,10 @@ def worker(rank, world, payload):
                 setattr(dist, name, forbidden)
     results = {"cases": [run_case(rank, case, seed) for seed, case in enumerate(payload["cases"])]}
     results["mismatch"] = [run_mismatch(rank, case) for case in payload.get("mismatch", [])]
+    if payload.get("subgroup_cases"):
+        sub, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+        results["subgroup"] = [run_case(dist.get_rank(sub), case, seed, group=sub)
+                               for seed, case in enumerate(payload["subgroup_cases"])]
     if payload.get("check_default_group"):
         results["default_group"] = check_default_group()
     return results

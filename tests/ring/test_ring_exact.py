@@ -9,7 +9,7 @@ import torch
 
 from ds_infcl.ops.reference import contrastive_loss_reference, lse_reference
 from tests.ring.ring_cases import (
-    case_data, loss_cases, lse_cases, mismatch_cases, triton_cases, worker,
+    case_data, loss_cases, lse_cases, mismatch_cases, subgroup_cases, triton_cases, worker,
 )
 from tests.ring.ring_harness import spawn
 
@@ -32,7 +32,7 @@ def _reference(case, seed):
     s = torch.tensor(case["scale"], dtype=torch.float64, requires_grad=True)
     glabels = _global_labels(data["labels"], data["key_sizes"])
     ref = {}
-    if case["kind"] == "loss":
+    if case["kind"] in ("loss", "module"):
         loss = contrastive_loss_reference(q, k, s, glabels, symmetric=case["symmetric"])
         ref["loss"] = loss.item()
         loss.backward()
@@ -65,7 +65,7 @@ def check_results(cases, results, world):
         name = f"{world} ranks, case {seed}: {case}"
         loss_tol, grad_tol = TOL[case["dtype"]]
         outs = [res["cases"][seed] for res in results]
-        if case["kind"] == "loss":
+        if case["kind"] in ("loss", "module"):
             # Rank r's feature gradient is W * dL/dF_r, so that the mean of the tower gradients
             # over ranks equals the global one: divide by W before comparing.
             factor = world
@@ -79,7 +79,7 @@ def check_results(cases, results, world):
                     _close(torch.cat([o[key] for o in outs]), ref[key], 1e-5, f"{key}, {name}")
         _close(torch.cat([o["dq"] for o in outs]) / factor, ref["dq"], grad_tol, f"dq, {name}")
         _close(torch.cat([o["dk"] for o in outs]) / factor, ref["dk"], grad_tol, f"dk, {name}")
-        ds = sum(o["ds"] for o in outs) / world if case["kind"] == "loss" else sum(o["ds"] for o in outs)
+        ds = sum(o["ds"] for o in outs) / factor  # the mean over ranks (loss), the sum (lse)
         _close(ds, ref["ds"], 1e-5, f"scale gradient, {name}")
 
 
@@ -87,8 +87,13 @@ def check_results(cases, results, world):
 def test_all_impls_match_reference(world):
     cases = loss_cases(world) + lse_cases(world) + (triton_cases() if world == 2 else [])
     mismatch = mismatch_cases(world) if world == 3 else []
-    results = spawn(worker, world, {"cases": cases, "mismatch": mismatch}, timeout=150)
+    subgroup = subgroup_cases() if world == 4 else []
+    payload = {"cases": cases, "mismatch": mismatch, "subgroup_cases": subgroup}
+    results = spawn(worker, world, payload, timeout=150)
     check_results(cases, results, world)
+    for members in ([0, 2], [1, 3]) if subgroup else ():  # 2-rank subgroups of the 4-rank world
+        sub_results = [{"cases": results[r]["subgroup"]} for r in members]
+        check_results(subgroup, sub_results, 2)
     for i, case in enumerate(mismatch):
         for r, res in enumerate(results):
             out = res["mismatch"][i]
