@@ -51,6 +51,7 @@ import triton.language as tl
 __all__ = ["lse_forward_triton", "lse_backward_triton", "allow_tf32"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Backward scratch: the block of G written at once is at most CHUNK_ROWS x CHUNK_COLS elements
 # (8192 x 8192 in bf16 = 128 MiB). Square blocks minimise the fp32 read-modify-write of dq/dk
@@ -79,7 +80,7 @@ def _interpreting() -> bool:
 @triton.jit
 def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr):
+              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``q @ k^T`` (K-loop over the feature dim)."""
     offs_k = tl.arange(0, BLOCK_K)
     q_ptrs = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_k[None, :]
@@ -96,10 +97,12 @@ def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_
         if UPCAST:
             qt = qt.to(tl.float32)
             kt = kt.to(tl.float32)
-        if TF32:
+        if PRECISION == 2:
             acc = tl.dot(qt, tl.trans(kt), acc, input_precision="tf32")
-        else:
+        elif PRECISION == 1:
             acc = tl.dot(qt, tl.trans(kt), acc, input_precision="ieee")
+        else:  # 16-bit operands
+            acc = tl.dot(qt, tl.trans(kt), acc)
         q_ptrs += BLOCK_K
         k_ptrs += BLOCK_K
     return acc
@@ -112,7 +115,7 @@ def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
     ~1e-4 (the LSE of a row dominated by one logit is that very logit)."""
     if EXACT_MUL:
         return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r",
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f",
             [acc, tl.full(acc.shape, scale, tl.float32)],
             dtype=tl.float32, is_pure=True, pack=1,
         )
@@ -121,15 +124,70 @@ def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
 
 
 @triton.jit
+def _merge_max_sum(m1, s1, m2, s2):
+    """Merge two (max, sum of exp(x - max)) statistics; a max of -inf carries a sum of 0."""
+    m = tl.maximum(m1, m2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, s1 * tl.exp2((m1 - m_safe) * LOG2E) + s2 * tl.exp2((m2 - m_safe) * LOG2E)
+
+
+@triton.jit
+def _tile_stats(x, row_ok, col_ok, SHARED_SHIFT: tl.constexpr):
+    """(max, sum of exp(x - max)) of every row and every column of a tile of logits ``x``.
+
+    Column statistics need a reduction across the rows, i.e. across warps. With ``SHARED_SHIFT``
+    the tile is shifted by its single maximum ``C``: one exponential per entry serves both the row
+    sums and the column sums, and no per-column maximum is reduced. That is exact as long as every
+    row and every column of the tile has a sum of ``exp(x - C)`` of at least 2^-80 (its largest
+    entry is then far inside the fp32 range, and what flushes to zero is below 2^-40 of it); a
+    tile that fails the check (rare: a spread of ~55 in the logits of one tile) takes the
+    per-row / per-column shifts.
+    """
+    if SHARED_SHIFT:
+        t_rmax = tl.max(x, axis=1)
+        t_max = tl.max(t_rmax, axis=0)
+        t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)
+        e = tl.exp2((x - t_safe) * LOG2E)
+        t_rsum = tl.sum(e, axis=1)
+        t_csum = tl.sum(e, axis=0)
+        least_row = tl.min(tl.where(row_ok, t_rsum, 1.0), axis=0)
+        least_col = tl.min(tl.where(col_ok, t_csum, 1.0), axis=0)
+        use_exact = (least_row < 8.271806125530277e-25) | (least_col < 8.271806125530277e-25)  # 2^-80
+        t_rmax = tl.zeros_like(t_rsum) + t_max
+        t_cmax = tl.zeros_like(t_csum) + t_max
+        if use_exact:
+            t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
+    else:
+        t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
+    return t_rmax, t_rsum, t_cmax, t_csum
+
+
+@triton.jit
+def _tile_stats_exact(x):
+    """Row and column statistics of a tile, each shifted by its own maximum (two exponentials)."""
+    t_rmax = tl.max(x, axis=1)
+    r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
+    t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
+    t_cmax = tl.max(x, axis=0)
+    c_safe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
+    t_csum = tl.sum(tl.exp2((x - c_safe[None, :]) * LOG2E), axis=0)
+    return t_rmax, t_rsum, t_cmax, t_csum
+
+
+@triton.jit
 def _lse_fwd_kernel(
-    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_part_ptr,
+    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_max_ptr, col_sum_ptr,
     b, m, c, stride_q, stride_k, scale,
     num_qblocks, kblocks_per_split, num_kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_COL: tl.constexpr,
+    SHARED_SHIFT: tl.constexpr,
 ):
-    """Partial LSEs: ``row_part[s, i]`` over split ``s``, ``col_part[g, j]`` over group ``g``."""
+    """Partial statistics: ``row_part[s, i]`` = LSE of row i over the keys of split ``s``;
+    ``(col_max, col_sum)[g, j]`` = max and sum of ``exp(x - max)`` of column j over the query
+    blocks of group ``g`` (statistics of a tile: ``_tile_stats``).
+    """
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_g = tl.num_programs(0)
@@ -150,31 +208,30 @@ def _lse_fwd_kernel(
         for kb in range(kb_lo, kb_hi):
             offs_n = kb * BLOCK_N + arange_n
             col_ok = offs_n < m
+            if COMPUTE_COL:
+                # This program's slot (no other program touches col_*[pid_g, offs_n]); loaded
+                # before the GEMM so that its latency hides behind it.
+                slot = pid_g.to(tl.int64) * m + offs_n
+                old_max = tl.load(col_max_ptr + slot, mask=col_ok, other=float("-inf"))
+                old_sum = tl.load(col_sum_ptr + slot, mask=col_ok, other=0.0)
             acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TF32, UPCAST)
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
             valid = row_ok[:, None] & col_ok[None, :]
             if EXCLUDE:
                 valid = valid & (offs_n[None, :] != lab[:, None])
             x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
-            # Rows: online log-sum-exp across the key blocks of this split.
-            m_new = tl.maximum(m_i, tl.max(x, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2((m_i - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe[:, None]) * LOG2E), axis=1)
-            m_i = m_new
             if COMPUTE_COL:
-                # Columns: LSE of this tile, merged into this program's slot (no other program
-                # writes col_part[pid_g, offs_n]).
-                c_max = tl.max(x, axis=0)
-                c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)
-                c_sum = tl.sum(tl.exp2((x - c_safe[None, :]) * LOG2E), axis=0)
-                t_lse = tl.where(c_sum > 0.0, c_safe + tl.log(tl.where(c_sum > 0.0, c_sum, 1.0)), float("-inf"))
-                slot = col_part_ptr + pid_g.to(tl.int64) * m + offs_n
-                old = tl.load(slot, mask=col_ok, other=float("-inf"))
-                hi = tl.maximum(old, t_lse)
-                lo = tl.minimum(old, t_lse)
-                hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
-                tl.store(slot, hi + tl.log(1.0 + tl.exp2((lo - hi_safe) * LOG2E)), mask=col_ok)
-        row_lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+                t_rmax, t_rsum, t_cmax, t_csum = _tile_stats(x, row_ok, col_ok, SHARED_SHIFT)
+                new_max, new_sum = _merge_max_sum(old_max, old_sum, t_cmax, t_csum)
+                tl.store(col_max_ptr + slot, new_max, mask=col_ok)
+                tl.store(col_sum_ptr + slot, new_sum, mask=col_ok)
+            else:
+                t_rmax = tl.max(x, axis=1)
+                r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
+                t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
+            # Rows: online log-sum-exp across the key blocks of this split.
+            m_i, l_i = _merge_max_sum(m_i, l_i, t_rmax, t_rsum)
+        row_lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)) * LN2, float("-inf"))
         tl.store(row_part_ptr + pid_s.to(tl.int64) * b + offs_m, row_lse, mask=row_ok)
 
 
@@ -183,7 +240,7 @@ def _lse_bwd_g_kernel(
     q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, g_ptr, ds_ptr,
     i0, j0, rows, cols, c, stride_q, stride_k, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
 ):
     """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
@@ -201,7 +258,7 @@ def _lse_bwd_g_kernel(
     offs_m = i0 + loc_m
     offs_n = j0 + loc_n
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TF32, UPCAST)
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     in_bounds = row_ok[:, None] & col_ok[None, :]
     valid = in_bounds
     if EXCLUDE:
@@ -237,10 +294,25 @@ class _Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    maxnreg: int = 0  # 0: no register cap
+
+    def launch_opts(self) -> dict:
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
-# Programs the forward keeps in flight per SM (its grid is persistent).
-PROGRAMS_PER_SM = 2
+# The compiled kernels of the last launches (registers, spills, shared memory: for profiling).
+_LAST_KERNELS: dict = {}
+
+# Programs of the persistent forward grid per SM. Its kernel takes ~255 registers per thread,
+# so one program fits an SM; a second one per SM only queues (measured 27% slower on H200).
+PROGRAMS_PER_SM = 1
+# One exponential per logit in the forward (tile-wide shift, exact fallback per tile).
+SHARED_SHIFT = os.environ.get("DS_INFCL_TRITON_SHARED_SHIFT", "1") == "1"
+# Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
+EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -250,7 +322,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _env_config(name: str) -> Optional[_Config]:
-    """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages" overrides (for tuning sweeps)."""
+    """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages[,maxnreg]" overrides (tuning)."""
     val = os.environ.get(name)
     if not val:
         return None
@@ -278,11 +350,14 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
 
 
 def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
+    upcast = query.dtype == torch.bfloat16 and _interpreting()
     return dict(
         EVEN_K=(c % block_k == 0),
-        TF32=(query.dtype == torch.float32 and allow_tf32()),
-        UPCAST=(query.dtype == torch.bfloat16 and _interpreting()),
-        EXACT_MUL=(query.device.type == "cuda"),
+        # 0: 16-bit operands (tensor cores); 1: full fp32; 2: TF32 (opt-in). The interpreter's
+        # bf16 operands are upcast, hence full fp32 there.
+        PRECISION=(2 if allow_tf32() else 1) if (query.dtype == torch.float32 or upcast) else 0,
+        UPCAST=upcast,
+        EXACT_MUL=(query.device.type == "cuda" and EXACT_MUL),
     )
 
 
@@ -346,23 +421,27 @@ def lse_forward_triton(
     groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, PROGRAMS_PER_SM * _num_sms(device))
     kblocks_per_split = triton.cdiv(num_kblocks, splits)
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
-    row_part = torch.empty((splits, b), device=device, dtype=torch.float32)
+    row_part = torch.full((splits, b), float("-inf"), device=device, dtype=torch.float32)
     if compute_col:
-        col_part = torch.full((groups, m), float("-inf"), device=device, dtype=torch.float32)
+        col_max = torch.full((groups, m), float("-inf"), device=device, dtype=torch.float32)
+        col_sum = torch.zeros((groups, m), device=device, dtype=torch.float32)
     else:
-        col_part = row_part  # unused pointer
+        col_max = col_sum = row_part  # unused pointers
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
-    _lse_fwd_kernel[(groups, splits)](
-        query, key, lab, row_part, col_part,
+    _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
+        query, key, lab, row_part, col_max, col_sum,
         b, m, c, query.stride(0), key.stride(0), float(scale),
         num_qblocks, kblocks_per_split, num_kblocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SHARED_SHIFT=SHARED_SHIFT, **cfg.launch_opts(),
         **_kernel_flags(query, c, cfg.block_k),
     )
     row = _merge(row_part)
-    col = _merge(col_part) if compute_col else None
+    col = None
+    if compute_col:
+        # max + log(sum) per group (sum 0 -> -inf), then log-sum-exp over the groups
+        col = _merge(col_max.add_(torch.log(col_sum)))
     return row, col
 
 
@@ -468,12 +547,12 @@ def lse_backward_triton(
             cols = min(chunk_cols, m - j0)
             grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
             g = g_buf[: rows * cols].view(rows, cols)
-            _lse_bwd_g_kernel[grid](
+            _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
                 query, key, lab, r2, a, cl2, w, g, ds_buf,
                 i0, j0, rows, cols, c, query.stride(0), key.stride(0), float(scale),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+                **cfg.launch_opts(), **flags,
             )
             dscale += ds_buf[: grid[0] * grid[1]].sum()
             k_blk = key[j0:j0 + cols]

@@ -1,0 +1,253 @@
+"""GPU benchmark of the symmetric contrastive loss: Triton kernels vs tiled torch vs materialized.
+
+Providers: ``triton`` (``contrastive_loss(..., backend="triton")``), ``torch`` (the tiled PyTorch
+path, ``backend="torch"``), ``materialized`` (``contrastive_loss_reference(upcast=False)``: the
+textbook loss with ``b x m`` logits in the input dtype). Square batches (``m = b``), symmetric
+loss, CLIP-like normalized features, scale 14.3.
+
+Modes: ``forward`` (the loss value, with autograd recording), ``backward`` (``loss.backward()``
+alone), ``total`` (both, one timed region). Times are medians of CUDA-event timings (with 20/80
+percentiles); TFLOP/s counts ``8 b m c`` for total, ``2 b m c`` for forward, ``6 b m c`` for
+backward; ``pct_matmul`` compares with the bf16 matmul rate (8192^3 ``torch.mm``) measured at the
+start of the same run. ``extra_gib`` is the peak CUDA memory of one ``total`` step beyond the
+inputs and their (preallocated) gradients.
+
+    python -m ds_infcl.bench.loss --out docs/bench                       # the full grid
+    python -m ds_infcl.bench.loss --providers triton --batch 65536 --dim 512 --modes total
+    python -m ds_infcl.bench.loss --dtypes bf16 fp32 --batch 8192 16384 --no-png
+
+Writes ``loss_<gpu>.csv`` (rows appended when the file exists) and ``loss_<gpu>.png`` (if
+matplotlib is installed) under ``--out``, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import sys
+from datetime import datetime, timezone
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PROVIDERS = ("triton", "torch", "materialized")
+MODES = ("forward", "backward", "total")
+FLOPS_PER_PAIR = {"forward": 2, "backward": 6, "total": 8}
+FIELDS = ["gpu", "date", "provider", "b", "c", "dtype", "mode", "median_ms", "p20_ms", "p80_ms",
+          "tflops", "pct_matmul", "ideal_ms", "extra_gib", "matmul_tflops", "note"]
+
+
+def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    """bf16 ``torch.mm`` rate on random data (median of ``reps`` timed products)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = _time(lambda: torch.mm(a, b), reps=reps, warmup=5)
+    return 2 * n**3 / (_quantile(times, 0.5) * 1e-3) / 1e12
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _time(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
+def _loss_fn(provider: str):
+    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.ops import contrastive_loss_reference
+
+    if provider == "triton":
+        return lambda q, k, s: contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False)
+    if provider == "torch":
+        return lambda q, k, s: contrastive_loss(q, k, s, symmetric=True, backend="torch", check_finite=False)
+    if provider == "materialized":
+        return lambda q, k, s: contrastive_loss_reference(q, k, s, symmetric=True, upcast=False)
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+
+
+def _skip_reason(provider: str, b: int, c: int, dtype: torch.dtype, args) -> str:
+    free = torch.cuda.mem_get_info()[0]
+    if provider == "materialized":
+        # logits, their softmax and gradient in the input dtype, plus fp32 temporaries
+        need = b * b * (3 * torch.finfo(dtype).bits // 8 + 8)
+        if need > 0.85 * free:
+            return f"skipped: needs ~{need / 2**30:.0f} GiB"
+        if b > args.max_b_materialized:
+            return "skipped: b > --max-b-materialized"
+    if provider == "torch" and b > args.max_b_torch:
+        return "skipped: b > --max-b-torch"
+    return ""
+
+
+def bench_point(provider, b, c, dtype, modes, args, mm_rate):
+    torch.manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype).requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype).requires_grad_()
+    scale = torch.tensor(14.3, device="cuda", requires_grad=True)
+    q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
+    fn = _loss_fn(provider)
+    ideal_total = 8 * b * b * c / (mm_rate * 1e12) * 1e3
+    # Repetitions: enough for a median, bounded in time (ideal x 4 as a time guess).
+    reps = int(max(3, min(args.reps, args.seconds_per_point * 1e3 / max(ideal_total * 4, 1e-3))))
+    warmup = 1 if ideal_total > 100 else 3
+
+    def total():
+        fn(q, k, scale).backward()
+
+    rows = []
+    # Memory: one total step from a clean peak.
+    total()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    total()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    results = {}
+    if "total" in modes:
+        results["total"] = _time(total, reps, warmup)
+    if "forward" in modes:
+        results["forward"] = _time(lambda: fn(q, k, scale), reps, warmup)
+    if "backward" in modes:
+        times = []
+        for i in range(reps + warmup):
+            loss = fn(q, k, scale)
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            loss.backward()
+            e.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(s.elapsed_time(e))
+        results["backward"] = times
+    for mode in modes:
+        t = results[mode]
+        med = _quantile(t, 0.5)
+        flops = FLOPS_PER_PAIR[mode] * b * b * c
+        tflops = flops / (med * 1e-3) / 1e12
+        rows.append(dict(
+            provider=provider, b=b, c=c, dtype=_dtype_name(dtype), mode=mode, median_ms=round(med, 4),
+            p20_ms=round(_quantile(t, 0.2), 4), p80_ms=round(_quantile(t, 0.8), 4), tflops=round(tflops, 1),
+            pct_matmul=round(100 * tflops / mm_rate, 1), ideal_ms=round(flops / (mm_rate * 1e12) * 1e3, 3),
+            extra_gib=round(extra, 3), note="",
+        ))
+    del q, k, scale
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _dtype_name(dtype):
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written ({path}); the CSV has every number.")
+        return
+    totals = [r for r in rows if r["mode"] == "total" and r.get("median_ms") not in ("", None)]
+    dims = sorted({r["c"] for r in totals})
+    fig, axes = plt.subplots(1, max(1, len(dims)), figsize=(4.5 * max(1, len(dims)), 4), squeeze=False)
+    for ax, c in zip(axes[0], dims):
+        for key in sorted({(r["provider"], r["dtype"]) for r in totals if r["c"] == c}):
+            pts = sorted((r["b"], r["pct_matmul"]) for r in totals if r["c"] == c and (r["provider"], r["dtype"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+        ax.axhline(50, color="grey", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"symmetric loss fwd+bwd, c = {c}")
+        ax.set_xlabel("batch b (= m)")
+        ax.set_ylabel("% of bf16 matmul rate (8bmc FLOPs)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written: {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072, 262144])
+    ap.add_argument("--dim", type=int, nargs="+", default=[256, 512, 768, 1024])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--reps", type=int, default=20, help="most timed repetitions per point")
+    ap.add_argument("--seconds-per-point", type=float, default=2.0, help="time budget that bounds reps")
+    ap.add_argument("--max-b-torch", type=int, default=65536, help="largest b for the tiled torch provider")
+    ap.add_argument("--max-b-materialized", type=int, default=65536)
+    ap.add_argument("--out", default=None, help="folder for the CSV and PNG")
+    ap.add_argument("--no-png", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    gpu = torch.cuda.get_device_name()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    mm = matmul_tflops()
+    print(f"# {gpu}, {stamp}, torch {torch.__version__}; bf16 matmul (8192^3) {mm:.0f} TFLOP/s", flush=True)
+    rows = []
+    hdr = f"{'provider':12s} {'dtype':5s} {'b':>7s} {'c':>5s} {'mode':8s} {'median ms':>10s} {'TFLOP/s':>8s} {'% mm':>6s} {'ideal ms':>9s} {'extra GiB':>9s}"
+    print(hdr, flush=True)
+    for dname in args.dtypes:
+        for c in args.dim:
+            for b in args.batch:
+                for provider in args.providers:
+                    dtype = DTYPES[dname]
+                    why = _skip_reason(provider, b, c, dtype, args)
+                    if not why:
+                        try:
+                            pts = bench_point(provider, b, c, dtype, args.modes, args, mm)
+                        except torch.cuda.OutOfMemoryError:
+                            why = "out of memory"
+                            torch.cuda.empty_cache()
+                    if why:
+                        pts = [dict(provider=provider, b=b, c=c, dtype=dname, mode=mode, median_ms="", p20_ms="",
+                                    p80_ms="", tflops="", pct_matmul="", ideal_ms="", extra_gib="", note=why)
+                               for mode in args.modes]
+                    for r in pts:
+                        r.update(gpu=gpu, date=stamp, matmul_tflops=round(mm, 1))
+                        rows.append(r)
+                        if r["note"]:
+                            print(f"{provider:12s} {dname:5s} {b:7d} {c:5d} {r['mode']:8s} {r['note']}", flush=True)
+                        else:
+                            print(f"{provider:12s} {dname:5s} {b:7d} {c:5d} {r['mode']:8s} {r['median_ms']:10.3f} "
+                                  f"{r['tflops']:8.1f} {r['pct_matmul']:6.1f} {r['ideal_ms']:9.3f} {r['extra_gib']:9.3f}",
+                                  flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_").lower()
+        path = os.path.join(args.out, f"loss_{tag}.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+        print(f"csv written: {path}")
+        if not args.no_png:
+            _plot(rows, os.path.join(args.out, f"loss_{tag}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

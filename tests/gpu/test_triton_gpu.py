@@ -1,0 +1,137 @@
+"""The Triton kernels on a CUDA GPU against the float64 reference (skipped without CUDA).
+
+    TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_triton_gpu.py
+
+(tests/conftest.py turns the interpreter on unless the variable is already set.) Odd shapes
+(b = 1, 1000, 65,537; b != m), a benchmark shape, bf16/fp16/fp32, both loss kinds, labels, scale in
+{1, 14.3, 100}, the op with excluded positives and arbitrary upstream weights. Tolerances: fp32
+within 1e-5 relative (or twice plain fp32 torch where that is worse); bf16/fp16 within twice plain
+torch's error in that dtype (the materialized reference run in the dtype) plus 1e-4, and for bf16
+at least 5e-3 (see ``_bound``). Each case prints its errors, so that the output is the report.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0", allow_module_level=True)
+
+from ds_infcl.loss import contrastive_loss  # noqa: E402
+from ds_infcl.ops import contrastive_loss_reference, lse_reference  # noqa: E402
+from ds_infcl.ops import triton_lse  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP32_RTOL = 1e-5
+
+
+def _rel(x, ref):
+    x, ref = x.double(), ref.double()
+    floor = 1e-6 * ref.numel() ** 0.5 / FP32_RTOL
+    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
+
+
+def _bound(dtype, plain):
+    if dtype == torch.float32:
+        return max(FP32_RTOL, 2 * plain)
+    if dtype == torch.bfloat16:
+        # G is stored once in bf16 (the operand of the dq/dk products): where the two directions'
+        # terms nearly cancel against the positive logit outside the op (b = 1, symmetric), that
+        # single rounding is about one bf16 ulp of the result.
+        return max(2 * plain + 1e-4, 5e-3)
+    return 2 * plain + 1e-4
+
+
+def _features(b, m, c, seed, normalize=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, c, device="cuda", generator=g, dtype=torch.float64)
+    k = torch.randn(m, c, device="cuda", generator=g, dtype=torch.float64)
+    if normalize:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    return q, k
+
+
+def _loss_and_grads(fn, q, k, scale, dtype, upstream):
+    qq = q.detach().to(dtype).clone().requires_grad_()
+    kk = k.detach().to(dtype).clone().requires_grad_()
+    s = torch.tensor(scale, device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                     requires_grad=True)
+    loss = fn(qq, kk, s)
+    (loss * upstream).backward()
+    return [loss.detach(), qq.grad, kk.grad, s.grad]
+
+
+# (b, m, c, scale, labels): b = 1, 1,000 and 65,537; b != m both ways; a benchmark shape.
+LOSS_CASES = [
+    (1, 1000, 512, 14.3, "random"),
+    (1000, 1000, 512, 1.0, "diagonal"),
+    (1000, 3001, 768, 100.0, "random"),
+    (65537, 4099, 256, 14.3, "random"),
+    (4099, 65537, 72, 100.0, "random"),
+    (8192, 8192, 512, 14.3, "diagonal"),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("b,m,c,scale,label_kind", LOSS_CASES)
+def test_loss_matches_fp64(b, m, c, scale, label_kind, symmetric, dtype):
+    dt = DTYPES[dtype]
+    q, k = _features(b, m, c, seed=b + m + c)
+    q, k = q.to(dt).double(), k.to(dt).double()  # every path sees the same inputs
+    labels = None
+    if label_kind == "random":
+        labels = torch.randint(0, m, (b,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric),
+                          q, k, scale, torch.float64, 0.37)
+    plain = _loss_and_grads(
+        lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric, upcast=False),
+        q, k, scale, dt, 0.37)
+    got = _loss_and_grads(
+        lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=symmetric, backend="triton"),
+        q, k, scale, dt, 0.37)
+    msgs = []
+    for name, x, p, r in zip(["loss", "dq", "dk", "dscale"], got, plain, ref):
+        assert torch.isfinite(x).all(), name
+        err, pe = _rel(x, r), _rel(p, r)
+        msgs.append((name, err, pe, err <= _bound(dt, pe)))
+    print(f"\nloss b={b} m={m} c={c} s={scale} {label_kind} sym={symmetric} {dtype}: "
+          + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
+    assert all(ok for *_, ok in msgs)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("b,m,c,scale", [(1, 777, 72, 100.0), (1000, 3001, 512, 14.3), (65537, 1000, 128, 1.0)])
+def test_op_exclude_positive_arbitrary_weights(b, m, c, scale, dtype):
+    """The op: both LSE vectors and gradients of sum(w_row * row) + sum(w_col * col)."""
+    dt = DTYPES[dtype]
+    q, k = _features(b, m, c, seed=7)
+    q, k = q.to(dt), k.to(dt)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    labels = torch.randint(0, m, (b,), device="cuda", generator=g)
+    wr = torch.randn(b, device="cuda", generator=g, dtype=torch.float64)
+    wc = torch.randn(m, device="cuda", generator=g, dtype=torch.float64)
+
+    def run(work, upcast):
+        qq = q.detach().to(work).clone().requires_grad_()
+        kk = k.detach().to(work).clone().requires_grad_()
+        ss = torch.tensor(scale, device="cuda", dtype=torch.float64 if upcast else torch.float32, requires_grad=True)
+        row, col = lse_reference(qq, kk, ss, labels=labels, exclude_positive=True, upcast=upcast)
+        ((row.double() * wr).sum() + (col.double() * wc).sum()).backward()
+        return row.detach(), col.detach(), qq.grad, kk.grad, ss.grad
+
+    ref, plain = run(torch.float64, True), run(dt, False)
+    row, col = triton_lse.lse_forward_triton(q, k, scale, labels=labels, exclude_positive=True)
+    dq, dk, ds = triton_lse.lse_backward_triton(q, k, scale, row, col, wr.float(), wc.float(),
+                                                labels=labels, exclude_positive=True)
+    msgs = []
+    for name, x, p, r in zip(["row", "col", "dq", "dk", "dscale"], (row, col, dq, dk, ds), plain, ref):
+        fin = torch.isfinite(r)  # an all-excluded column (b = 1) has LSE -inf
+        assert torch.equal(torch.isfinite(x), fin), name
+        x, p, r = x[fin], p[fin], r[fin]
+        err, pe = _rel(x, r), _rel(p, r)
+        msgs.append((name, err, pe, err <= _bound(dt, pe)))
+    print(f"\nop b={b} m={m} c={c} s={scale} exclude {dtype}: "
+          + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
+    assert all(ok for *_, ok in msgs)
