@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import List, Optional
 
 from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, resolve_deepspeed_config
@@ -58,6 +59,8 @@ def _load_ds_config(path: str, overrides: List[str]) -> dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # torch's own deprecation notice for the collective DeepSpeed calls, printed by every rank.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
     args = build_parser().parse_args(argv)
     try:
         overrides = list(args.overrides)

@@ -141,12 +141,15 @@ class LoggingConfig:
 class CheckpointConfig:
     """``checkpoint``: DeepSpeed checkpoints (engine, optimizer, loss module) plus the run state
     (step, data position, RNG) every ``every_steps`` steps (0 = never) and at the end; ``dir``
-    defaults to ``<output_dir>/checkpoints``; ``keep_last`` (0 = all) deletes older ones."""
+    defaults to ``<output_dir>/checkpoints``; ``keep_last`` (0 = all) deletes older ones. With
+    ``export_final`` a task that has ``save_pretrained(folder, towers, logit_scale)`` writes the
+    final model to ``<output_dir>/final_model`` (a folder its adapter loads)."""
 
     dir: Optional[str] = None
     every_steps: int = 0
     at_end: bool = True
     keep_last: int = 0
+    export_final: bool = True
 
 
 @dataclass

@@ -35,7 +35,7 @@ def demo_run_config(output_dir: str, num_steps: int, global_batch_size: int, chu
         "loss": {"impl": impl},
         "batch": {"global_batch_size": global_batch_size, "grad_cache": True, "chunk_size": chunk_size},
         "train": {"num_steps": num_steps, "seed": 0},
-        "eval": {"every_steps": max(1, num_steps // 2), "at_end": True},
+        "eval": {"every_steps": max(1, num_steps // 3), "at_end": True},
         "logging": {"every_steps": 1, "progress_bar": True},
         "checkpoint": {"every_steps": 0, "at_end": True, "keep_last": 1},
         "output_dir": output_dir,
@@ -45,7 +45,7 @@ def demo_run_config(output_dir: str, num_steps: int, global_batch_size: int, chu
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.train.demo", description=__doc__.split("\n")[0])
     p.add_argument("--num-ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--impl", default="infcl", help="loss implementation (infcl, or a baseline)")

@@ -16,7 +16,6 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_infcl.loss import ContrastiveLoss
 from ds_infcl.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from ds_infcl.train.config import BatchLayout, RunConfig, resolve_deepspeed_config
 from ds_infcl.train.dist import accelerator_name, init_distributed, local_device
@@ -24,7 +23,7 @@ from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
 from ds_infcl.train.model import ContrastiveModel
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.steps import grad_cache_step, uncached_step
-from ds_infcl.train.task import Batch, Task, get_task
+from ds_infcl.train.task import Batch, as_batch, build_loss, get_task
 
 __all__ = ["train", "TrainSummary", "Encoder"]
 
@@ -82,20 +81,14 @@ def _seed_all(seed: int) -> None:
         pass
 
 
-def _build_loss(cfg: RunConfig, task: Task) -> ContrastiveLoss:
-    kwargs = dict(task.loss_defaults())
-    for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):
-        value = getattr(cfg.loss, key)
-        if value is not None:
-            kwargs[key] = value
-    return ContrastiveLoss(impl=cfg.loss.impl, backend=cfg.loss.backend, tile_size=cfg.loss.tile_size, **kwargs)
-
-
-def _pin(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
-    pin = cfg.data.pin_memory
-    if pin == "auto":
-        pin = device.type == "cuda"
-    if pin and device.type == "cuda":
+def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
+    """Data offload: keep the local batch on the host (pinned on CUDA) for chunk-by-chunk copies,
+    or (``data.offload: false``) move all of it to the device now."""
+    if device.type != "cuda":
+        return batch
+    if not cfg.data.offload:
+        return batch.map(lambda t: t.to(device, non_blocking=True))
+    if cfg.data.pin_memory in ("auto", True):
         batch = batch.map(lambda t: t.pin_memory())
     return batch
 
@@ -149,7 +142,7 @@ def train(
 
     # Model: identical initialization on all ranks (DeepSpeed also broadcasts rank 0's).
     _seed_all(cfg.train.seed)
-    model = ContrastiveModel(task.build_towers(), _build_loss(cfg, task))
+    model = ContrastiveModel(task.build_towers(), build_loss(task, cfg.loss))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -166,7 +159,8 @@ def train(
         if found is not None:
             state = load_checkpoint(engine, found[0], found[1], device)
             start_step, samples = int(state["step"]), int(state["samples"])
-            task.load_state_dict(state.get("task_state", {}))
+            if hasattr(task, "load_state_dict"):
+                task.load_state_dict(state.get("task_state", {}))
             _log(f"resumed from {found[0]}/{found[1]} at step {start_step}", rank)
         else:
             _log(f"--resume {resume}: no checkpoint in {cfg.checkpoint_dir}; starting fresh", rank)
@@ -200,7 +194,7 @@ def train(
     step = start_step
     engine.train()
     while step < cfg.train.num_steps:
-        batch = _pin(next(data), cfg, device)
+        batch = _place(as_batch(next(data)), cfg, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()
@@ -224,7 +218,7 @@ def train(
             ls = _logit_scale(engine)
             logger.log_train({
                 "step": step, "loss": result.loss, "logit_scale": ls,
-                "scale": math.exp(min(ls, engine.module.loss.max_logit_scale)),
+                "scale": math.exp(min(ls, getattr(engine.module.loss, "max_logit_scale", math.inf))),
                 "lr": float(engine.get_lr()[0]) if engine.get_lr() else float("nan"),
                 "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
                 "peak_mem_mib": peak_memory_mib(device), "samples": samples,
@@ -234,13 +228,14 @@ def train(
         is_last = step == cfg.train.num_steps
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end):
             engine.eval()
-            eval_metrics = task.evaluate(encoder, step)
+            eval_metrics = task.evaluate(encoder, step) if hasattr(task, "evaluate") else {}
             engine.train()
             logger.log_eval(step, eval_metrics)
 
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
             run_state = {
-                "step": step, "samples": samples, "task_state": task.state_dict(),
+                "step": step, "samples": samples,
+                "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
                 "world_size": world, "run_config": cfg.to_dict(),
             }
             tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
@@ -251,6 +246,8 @@ def train(
     final_scale = _logit_scale(engine)
     if save_params:
         _save_params(engine, save_params, rank)
+    if cfg.checkpoint.export_final and callable(getattr(task, "save_pretrained", None)):
+        _export(engine, task, os.path.join(cfg.output_dir, "final_model"), rank)
     summary = TrainSummary(
         steps=step, start_step=start_step, world_size=world,
         global_batch_size=layout.global_batch_size, num_chunks=layout.num_chunks,
@@ -279,3 +276,19 @@ def _save_params(engine, path: str, rank: int) -> None:
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(state, path)
+
+
+def _export(engine, task, folder: str, rank: int) -> None:
+    """Gather the parameters (ZeRO-3 included) and let the task write its model folder on rank 0."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    engine.empty_partition_cache()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        if rank == 0:
+            logit_scale = engine.module.loss.logit_scale.detach().float().reshape(()).cpu().clone()
+            task.save_pretrained(folder, engine.module.towers, logit_scale)
+    dist.barrier()
+    if rank == 0:
+        print(f"[ds_infcl] exported the final model to {folder}", flush=True)

@@ -4,7 +4,7 @@ Every use of a parameter goes through ``forward`` (the DeepSpeed engine's ``__ca
 gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
 
 - ``"loss"``: encode queries and keys, return ``(global loss, query features, key features)``
-  (the uncached step).
+  (the uncached step); ``loss_kwargs`` (labels and the batch's extra loss inputs) go to the loss.
 - ``"encode"``, ``"encode_query"``, ``"encode_key"``: features only (GradCache's first pass,
   evaluation).
 - ``"logit_scale"``: the current ``logit_scale`` value, detached (GradCache computes the loss
@@ -27,41 +27,44 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ds_infcl.loss import ContrastiveLoss, contrastive_loss
 from ds_infcl.train.task import tree_map
 
-__all__ = ["ContrastiveModel", "loss_from_features"]
+__all__ = ["ContrastiveModel", "loss_with_logit_scale"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "surrogate")
 
 
-def loss_from_features(
-    loss_module: ContrastiveLoss,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    labels: Optional[torch.Tensor],
-    logit_scale: torch.Tensor,
-) -> torch.Tensor:
-    """``loss_module(query, key, labels)`` with ``logit_scale`` in place of the module's own
-    parameter (a tensor that may require grad). Mirrors ``ContrastiveLoss.forward``."""
-    scale = logit_scale.clamp(max=loss_module.max_logit_scale).exp()
-    return contrastive_loss(
-        query, key, scale.to(query.device), labels, symmetric=loss_module.symmetric,
-        impl=loss_module.impl, backend=loss_module.backend, group=loss_module.group,
-        tile_size=loss_module.tile_size,
-    )
+def loss_with_logit_scale(loss_module: nn.Module, logit_scale: Optional[torch.Tensor], query, key, **loss_kwargs):
+    """``loss_module(query, key, **loss_kwargs)`` with ``logit_scale`` (a fresh ``nn.Parameter``
+    leaf, or ``None`` to keep the module's own) in place of the module's parameter.
+
+    The module's ``forward`` is called directly, not through ``__call__``: no hooks run, so under
+    ZeRO-3 the swapped-in leaf is never taken for a partitioned parameter. The swap is undone on
+    exit.
+    """
+    forward = type(loss_module).forward
+    if logit_scale is None:
+        return forward(loss_module, query, key, **loss_kwargs)
+    params = loss_module._parameters
+    original = params["logit_scale"]
+    params["logit_scale"] = logit_scale
+    try:
+        return forward(loss_module, query, key, **loss_kwargs)
+    finally:
+        params["logit_scale"] = original
 
 
 class ContrastiveModel(nn.Module):
-    """Towers (``encode_query`` / ``encode_key``) plus the ``ContrastiveLoss`` that owns the scale.
+    """Towers (``encode_query`` / ``encode_key``) plus the loss module that owns the scale.
 
     Args:
         towers: module with ``encode_query(inputs)`` and ``encode_key(inputs)``.
-        loss: the loss module (its ``group`` is set to the engine's data-parallel group after
-            ``deepspeed.initialize``).
+        loss: the loss module (``ContrastiveLoss`` or one with its contract, see
+            ``Task.build_loss``); its ``group`` is set to the engine's data-parallel group after
+            ``deepspeed.initialize``.
     """
 
-    def __init__(self, towers: nn.Module, loss: ContrastiveLoss):
+    def __init__(self, towers: nn.Module, loss: nn.Module):
         super().__init__()
         for name in ("encode_query", "encode_key"):
             if not callable(getattr(towers, name, None)):
@@ -102,7 +105,7 @@ class ContrastiveModel(nn.Module):
         mode: str,
         query_inputs=None,
         key_inputs=None,
-        labels: Optional[torch.Tensor] = None,
+        loss_kwargs: Optional[dict] = None,
         query_grad: Optional[torch.Tensor] = None,
         key_grad: Optional[torch.Tensor] = None,
         scale_grad: Optional[torch.Tensor] = None,
@@ -110,7 +113,7 @@ class ContrastiveModel(nn.Module):
         if mode == "loss":
             q = self.encode_query(query_inputs)
             k = self.encode_key(key_inputs)
-            return self.loss(q, k, labels), q.detach(), k.detach()
+            return self.loss(q, k, **(loss_kwargs or {})), q.detach(), k.detach()
         if mode == "encode":
             return self.encode_query(query_inputs), self.encode_key(key_inputs)
         if mode == "encode_query":

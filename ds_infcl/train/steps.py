@@ -36,7 +36,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ds_infcl.train.model import loss_from_features
+from torch import nn
+
+from ds_infcl.train.model import loss_with_logit_scale
 from ds_infcl.train.task import Batch
 
 __all__ = ["StepResult", "uncached_step", "grad_cache_step", "move_batch", "get_rng_state", "set_rng_state"]
@@ -68,26 +70,22 @@ def move_batch(batch: Batch, device: torch.device) -> Batch:
     return batch.map(lambda t: t.to(device, non_blocking=True))
 
 
-def _labels_on(batch: Batch, device: torch.device) -> Optional[torch.Tensor]:
-    return None if batch.labels is None else batch.labels.to(device)
-
-
 def uncached_step(engine, batch: Batch, device: torch.device) -> StepResult:
     """Encode the local batch, backward the global loss, step (one micro-step)."""
     chunk = move_batch(batch, device)
-    loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, _labels_on(batch, device))
+    loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, batch.loss_kwargs(device))
     engine.backward(loss)
     engine.step()
     return StepResult(float(loss.detach()), 1)
 
 
-def _feature_gradients(loss_module, query, key, labels, logit_scale, learnable: bool):
+def _feature_gradients(loss_module, query, key, loss_kwargs, logit_scale, learnable: bool):
     leaf_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
     q = query.detach().to(leaf_dtype).requires_grad_(True)
     k = key.detach().to(leaf_dtype).requires_grad_(True)
-    s = logit_scale.detach().clone().requires_grad_(learnable)
+    s = nn.Parameter(logit_scale.detach().clone()) if learnable else None
     with torch.enable_grad():
-        loss = loss_from_features(loss_module, q, k, labels, s)
+        loss = loss_with_logit_scale(loss_module, s, q, k, **loss_kwargs)
         grads = torch.autograd.grad(loss, [q, k, s] if learnable else [q, k])
     scale_grad = grads[2].float() if learnable else None
     return loss.detach(), grads[0].float(), grads[1].float(), scale_grad
@@ -140,7 +138,7 @@ def grad_cache_step(
 
     # Pass 2: the global loss and its gradients with respect to the features and the scale, once.
     loss, grad_q, grad_k, grad_s = _feature_gradients(
-        model.loss, query, key, _labels_on(batch, device), logit_scale, model.learnable_scale
+        model.loss, query, key, batch.loss_kwargs(device), logit_scale, model.learnable_scale
     )
     zero_s = None if grad_s is None else torch.zeros_like(grad_s)
 

@@ -7,7 +7,8 @@ synthetic task implements. The trainer knows nothing else about the model or the
   ``encode_key(inputs) -> [m, c]``. The trainer wraps it with the ``ContrastiveLoss`` module (which
   owns the logit scale) into one model for ``deepspeed.initialize``.
 - ``loss_defaults()`` gives the task's loss settings (symmetric, scale init, learnable); the run
-  config's ``loss`` section overrides them.
+  config's ``loss`` section overrides them; ``build_loss`` may return another loss module (the
+  retrieval loss with false-negative masking) that keeps the same contract.
 - ``batches(...)`` yields one ``Batch`` per optimizer step: this rank's share of the global batch,
   on CPU, every example tagged with its *global sample index* (FastCLIP's per-sample state and
   exact resumption both need it). Batches must be a deterministic function of the step and the
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -38,6 +39,8 @@ __all__ = [
     "register_task",
     "get_task",
     "available_tasks",
+    "as_batch",
+    "build_loss",
     "tree_map",
     "SyntheticTask",
 ]
@@ -66,6 +69,9 @@ class Batch:
         labels: ``[b]`` index of each query's positive among the local keys; ``None`` means
             ``arange(b) * keys_per_query``.
         keys_per_query: keys per query (1, or 1 + hard negatives).
+        loss_inputs: extra keyword arguments of the loss module's forward for the whole local
+            batch (e.g. ``key_ids`` / ``positive_ids`` for false-negative masking); moved to the
+            device, never chunked.
     """
 
     query_inputs: Any
@@ -73,6 +79,7 @@ class Batch:
     sample_index: torch.Tensor
     labels: Optional[torch.Tensor] = None
     keys_per_query: int = 1
+    loss_inputs: Dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.sample_index.shape[0])
@@ -105,6 +112,12 @@ class Batch:
             key_inputs=tree_map(fn, self.key_inputs),
         )
 
+    def loss_kwargs(self, device: torch.device) -> Dict[str, Any]:
+        """``labels`` and ``loss_inputs`` on ``device``: the keyword arguments of the loss."""
+        out = {"labels": self.resolved_labels().to(device)}
+        out.update(tree_map(lambda t: t.to(device), dict(self.loss_inputs)))
+        return out
+
 
 class Task:
     """Base class of trainable tasks; see the module docstring for the contract."""
@@ -118,6 +131,24 @@ class Task:
         """Default ``ContrastiveLoss`` keyword arguments (``symmetric``, ``init_logit_scale``,
         ``max_logit_scale``, ``learnable_scale``)."""
         return {"symmetric": True}
+
+    def build_loss(self, loss_config) -> nn.Module:
+        """The loss module: ``ContrastiveLoss`` from ``loss_defaults()`` overridden by the run
+        config's ``loss`` section (``loss_config``, a ``LossConfig``). Override to use another
+        module; the trainer needs ``forward(query, key, labels, **batch.loss_inputs)`` returning
+        the global loss, a ``group`` attribute (set to the engine's data-parallel group) and the
+        scale, if learnable, as the ``nn.Parameter`` ``logit_scale``."""
+        from ds_infcl.loss import ContrastiveLoss
+
+        defaults = getattr(self, "loss_defaults", None)
+        kwargs = dict(defaults()) if callable(defaults) else {}
+        for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):
+            value = getattr(loss_config, key)
+            if value is not None:
+                kwargs[key] = value
+        return ContrastiveLoss(
+            impl=loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **kwargs
+        )
 
     def batches(
         self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
@@ -149,15 +180,32 @@ def register_task(name: str):
     return deco
 
 
-def available_tasks() -> Tuple[str, ...]:
-    return tuple(sorted(_TASKS))
+# Tasks that live in other packages, imported on first use: name -> "module:attribute".
+_LAZY_TASKS = {
+    "clip": "ds_infcl.adapters.clip_task:ClipTask",
+    "bench_clip": "ds_infcl.train.bench_task:BenchClipTask",
+}
+
+
+def _import_attr(path: str, key: str):
+    from ds_infcl.train.config import ConfigError
+
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import {module_name!r}: {e}") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
 
 
 def get_task(name: str, args: Optional[Dict[str, Any]] = None, module: Optional[str] = None) -> Task:
-    """Build the task registered as ``name`` (importing ``module`` first if given).
+    """Build a task: a registered name, a built-in adapter name (``clip``), or an import path
+    ``"package.module:ClassOrFactory"`` (anything with the methods of ``Task``).
 
     Raises:
-        ValueError: the module does not import, the name is unknown (valid names listed), or the
+        ConfigError: the module does not import, the name is unknown (valid names listed), or the
             factory rejects ``args`` (the key is named ``task.args``).
     """
     from ds_infcl.train.config import ConfigError
@@ -167,12 +215,47 @@ def get_task(name: str, args: Optional[Dict[str, Any]] = None, module: Optional[
             importlib.import_module(module)
         except ImportError as e:
             raise ConfigError(f"task.module: cannot import {module!r}: {e}") from None
-    if name not in _TASKS:
-        raise ConfigError(f"task.name: unknown task {name!r}; choose one of {list(available_tasks())}")
+    if name in _TASKS:
+        factory = _TASKS[name]
+    elif name in _LAZY_TASKS:
+        factory = _import_attr(_LAZY_TASKS[name], "task.name")
+    elif ":" in name:
+        factory = _import_attr(name, "task.name")
+    else:
+        raise ConfigError(
+            f"task.name: unknown task {name!r}; choose one of {list(available_tasks())} or give "
+            "an import path 'package.module:Class'"
+        )
     try:
-        return _TASKS[name](**(args or {}))
+        task = factory(**(args or {}))
     except TypeError as e:
         raise ConfigError(f"task.args: {e}") from None
+    for method in ("build_towers", "batches"):
+        if not callable(getattr(task, method, None)):
+            raise ConfigError(f"task.name: {name!r} built a {type(task).__name__} without a {method}() method")
+    return task
+
+
+def as_batch(item: Any) -> Batch:
+    """A task's batch as a ``Batch``: tasks that do not import the trainer (adapters) yield dicts
+    with the same fields."""
+    if isinstance(item, Batch):
+        return item
+    if isinstance(item, dict):
+        return Batch(**item)
+    raise TypeError(f"a task's batches() must yield Batch objects or dicts, got {type(item).__name__}")
+
+
+def build_loss(task: Any, loss_config) -> nn.Module:
+    """``task.build_loss(loss_config)`` if the task has it, else ``Task.build_loss`` (a
+    ``ContrastiveLoss`` from the task's ``loss_defaults()`` and the run config)."""
+    if callable(getattr(task, "build_loss", None)):
+        return task.build_loss(loss_config)
+    return Task.build_loss(task, loss_config)
+
+
+def available_tasks() -> Tuple[str, ...]:
+    return tuple(sorted(set(_TASKS) | set(_LAZY_TASKS)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,6 +59,17 @@ def _optimizer_jobs():
     ]
 
 
+def _offload_jobs():
+    """The shipped offload JSONs as they are (bf16, AdamW), ZeRO-3 offload with GradCache."""
+    run = ["batch.global_batch_size=32", "train.num_steps=4", "logging.progress_bar=false",
+           "checkpoint.at_end=false", "eval.at_end=false"] + GATHER
+    return [
+        h.job("offload2", "zero2_offload.json", [], run),
+        h.job("offload3_gc", "zero3_offload.json", [], run + ["batch.grad_cache=true", "batch.chunk_size=8"]),
+        h.job("plain2", "zero2.json", [], run),
+    ]
+
+
 # GradCache with dropout (RNG replay) and AdamW: 6 steps straight vs 3 + resume to 6.
 RESUME = ["batch.global_batch_size=24", "batch.grad_cache=true", "batch.chunk_size=6",
           'task.args={"dropout": 0.1}', "logging.progress_bar=false", "eval.at_end=false"] + GATHER
@@ -71,12 +82,15 @@ RESUME_DS = ["bf16.enabled=false", 'optimizer={"type": "AdamW", "params": {"lr":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
-    jobs = _grid_jobs() + _optimizer_jobs() + [
+    jobs = _grid_jobs() + _optimizer_jobs() + _offload_jobs() + [
         h.job("resume_full", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=6", "checkpoint.every_steps=3"]),
         h.job("resume_part", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=3"]),
     ]
     h.run_jobs(h.write_jobs(out, jobs, "two_ranks.json"), 2)
     refs = [h.job(f"ref_{d}", "zero0.json", h.SGD + _bf16(d), h.COMMON + GATHER) for d in DTYPES]
+    refs.append(h.job("bench_tiny", "zero2.json", [], h.COMMON + [
+        "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
+        "batch.verify_replay=true"]))
     h.run_jobs(h.write_jobs(out, refs, "one_rank.json"), 1)
     resumed = [h.job("resume_part", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=6"],
                      resume=str(out / "resume_part" / "checkpoints"))]
@@ -183,3 +197,17 @@ def test_logs_and_summary(runs):
     ckpt = runs / "resume_full" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000006"
     assert sorted(p.name for p in (ckpt / "step00000003").glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]
+
+
+def test_optimizer_offload_configs(runs):
+    plain = h.summary(runs / "plain2")["losses"]
+    for case in ("offload2", "offload3_gc"):
+        assert h.summary(runs / case)["losses"] == pytest.approx(plain, rel=1e-2), case
+    _assert_close(h.params(runs / "plain2"), h.params(runs / "offload2"), "bf16")
+
+
+def test_bench_task_smoke(runs):
+    """The GPU benchmark's task (tiny towers, inputs generated from indices) with GradCache replay."""
+    s = h.summary(runs / "bench_tiny")
+    assert s["num_chunks"] == 3 and len(s["losses"]) == 3
+    assert all(torch.isfinite(torch.tensor(s["losses"])))
