@@ -20,7 +20,7 @@ import torch
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
 from ds_infcl.ops import tiled_lse
 from ds_infcl.ops.validation import check_features, check_labels, check_scale
-from ds_infcl.ring import group_size
+from ds_infcl.ring import agree_on_input_errors, group_size
 
 __all__ = ["lse", "contrastive_loss", "clip_loss", "positive_logits", "compose_infonce"]
 
@@ -78,10 +78,12 @@ def lse(
         ValueError: malformed shapes, dims/dtypes that differ, labels out of range, empty inputs,
             non-finite features, an unknown backend.
     """
-    check_features(query, key, check_finite=check_finite, allow_empty=group_size(group) > 1)
-    check_scale(scale)
+    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+        check_features(query, key, check_finite=check_finite, allow_empty=group_size(group) > 1)
+        check_scale(scale)
+        if exclude_positive:
+            check_labels(labels, query.shape[0], key.shape[0])
     if exclude_positive:
-        check_labels(labels, query.shape[0], key.shape[0])
         labels = _labels_tensor(labels, query.shape[0], query.device)
     scale_t = _as_scale_tensor(scale, query.device)
     if group_size(group) > 1:
@@ -178,11 +180,12 @@ def contrastive_loss(
     Raises:
         ValueError: on the bad inputs listed in ``lse``, labels out of range, an unknown ``impl``.
     """
-    fn = get_loss_impl(impl)
     world = group_size(group)
-    check_features(query, key, check_finite=check_finite, allow_empty=world > 1)
-    check_scale(scale)
-    check_labels(labels, query.shape[0], key.shape[0])
+    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+        fn = get_loss_impl(impl)
+        check_features(query, key, check_finite=check_finite, allow_empty=world > 1)
+        check_scale(scale)
+        check_labels(labels, query.shape[0], key.shape[0])
     labels_t = _labels_tensor(labels, query.shape[0], query.device)
     scale_t = _as_scale_tensor(scale, query.device)
     return fn(

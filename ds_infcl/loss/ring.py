@@ -35,6 +35,7 @@ from ds_infcl.loss.functional import compose_infonce, positive_logits
 from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
 from ds_infcl.ring import (
     RingLayout,
+    agree_on_input_errors,
     exchange_layout,
     global_sum_with_grad,
     post_ring_shift,
@@ -180,9 +181,13 @@ def _flags(**options) -> int:
     return sum(int(bool(v)) << i for i, v in enumerate(options.values()))
 
 
+def _resolve_backend(backend, device, group):
+    with agree_on_input_errors(group):  # one rank without Triton must not leave the others waiting
+        return resolve_backend(backend, device)
+
+
 def _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
                 tile_size, layout):
-    backend = resolve_backend(backend, query.device)
     row, col = RingLSEFunction.apply(
         query, key, scale_t, labels, exclude_positive, compute_col, backend, tile_size, layout, group
     )
@@ -210,6 +215,7 @@ def ring_lse(
     data-parallel contract).
     """
     group = resolve_group(group)
+    backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=exclude_positive, compute_col=compute_col),
@@ -232,6 +238,7 @@ def ring_infonce(
     """Global InfoNCE by the ring: the global loss on every rank, exact gradients after the
     data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank)."""
     group = resolve_group(group)
+    backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric),

@@ -12,12 +12,19 @@ deepspeed (:func:`default_group` only looks at ``sys.modules``).
 
 from ds_infcl.ring.collectives import all_gather_nograd, all_gather_with_grad, global_sum_with_grad
 from ds_infcl.ring.groups import default_group, global_rank, group_rank, group_size, resolve_group
-from ds_infcl.ring.layout import PROTOCOLS, RingLayout, comm_device, exchange_layout
+from ds_infcl.ring.layout import (
+    PROTOCOLS,
+    RingLayout,
+    agree_on_input_errors,
+    comm_device,
+    exchange_layout,
+)
 from ds_infcl.ring.p2p import post_ring_shift, ring_shift, wait_all
 
 __all__ = [
     "PROTOCOLS",
     "RingLayout",
+    "agree_on_input_errors",
     "all_gather_nograd",
     "all_gather_with_grad",
     "comm_device",

@@ -13,6 +13,7 @@ per rank, one latency per step; the checks themselves are host-side comparisons.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -21,7 +22,10 @@ import torch.distributed as dist
 
 from ds_infcl.ring.groups import global_rank, group_rank, group_size, resolve_group
 
-__all__ = ["RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS"]
+__all__ = [
+    "RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS",
+    "agree_on_input_errors",
+]
 
 # torch >= 2.12 renamed the flat collectives (the old names warn); keep both working.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -30,6 +34,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 # Protocol codes: ranks that disagree on which loss path they run would otherwise pair unrelated
 # collectives and hang or corrupt data.
 PROTOCOLS = {"ring_lse": 1, "vanilla": 2, "local": 3, "disco": 4}
+_INPUT_ERROR = -1  # protocol code of a rank whose local input checks failed
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
@@ -91,6 +96,12 @@ def _describe_row(i: int, row: Sequence[int]) -> str:
 
 
 def _check_table(table, protocol: str) -> None:
+    failed = [i for i, row in enumerate(table) if row[5] == _INPUT_ERROR]
+    if failed:
+        raise ValueError(
+            f"{protocol}: rank(s) {failed} of the process group rejected their local inputs "
+            "(their own error says why); the loss stops on every rank"
+        )
     fields = ("feature dim", "dtype", "device type", "loss path", "flags")
     for pos, name in zip(range(2, 7), fields):
         if len({row[pos] for row in table}) > 1:
@@ -102,6 +113,34 @@ def _check_table(table, protocol: str) -> None:
     if sum(row[0] for row in table) == 0 or sum(row[1] for row in table) == 0:
         listing = "; ".join(_describe_row(i, row) for i, row in enumerate(table))
         raise ValueError(f"{protocol}: the global batch is empty ({listing})")
+
+
+def _comm_device_without_inputs(group) -> torch.device:
+    if dist.get_backend(group) == "gloo" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def agree_on_input_errors(group=None):
+    """Run local input checks so that a failure on one rank stops every rank instead of a hang.
+
+    A ``ValueError`` raised inside the block on a rank of a group of several ranks is announced
+    to the others through the same fixed-size ``all_gather`` that :func:`exchange_layout` (the
+    first collective of every loss path) posts, so they raise too; then it propagates. Without an
+    error nothing is communicated.
+    """
+    try:
+        yield
+    except ValueError:
+        group = resolve_group(group)
+        if group_size(group) > 1:
+            row = torch.zeros(_NUM_FIELDS, dtype=torch.int64)
+            row[5] = _INPUT_ERROR
+            dev = _comm_device_without_inputs(group)
+            gathered = torch.empty((group_size(group) * _NUM_FIELDS,), dtype=torch.int64, device=dev)
+            all_gather_single(gathered, row.to(dev), group=group)
+        raise
 
 
 def exchange_layout(

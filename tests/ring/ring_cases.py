@@ -129,24 +129,30 @@ def run_case(rank, case, seed, tile_size=3, group=None):
 
 
 def mismatch_cases(world):
-    """Rank 1 disagrees with the others: feature dim, or dtype."""
+    """Rank 1 disagrees with the others (feature dim, dtype) or fails its local checks (NaN rows,
+    labels out of range)."""
     return [dict(impl=impl, what="dim") for impl in IMPLS + ("lse",)] + [
-        dict(impl="infcl", what="dtype")
+        dict(impl="infcl", what="dtype"), dict(impl="infcl", what="nan"),
+        dict(impl="lse", what="nan"), dict(impl="vanilla", what="labels"),
     ]
 
 
 def run_mismatch(rank, case):
     from ds_infcl.loss import contrastive_loss, lse
 
-    c = 8 if (rank == 1 and case["what"] == "dim") else 16
-    dtype = torch.bfloat16 if (rank == 1 and case["what"] == "dtype") else torch.float32
+    bad = rank == 1
+    c = 8 if (bad and case["what"] == "dim") else 16
+    dtype = torch.bfloat16 if (bad and case["what"] == "dtype") else torch.float32
     q, k = torch.randn(4, c, dtype=dtype), torch.randn(4, c, dtype=dtype)
+    if bad and case["what"] == "nan":
+        q[2, 3] = float("nan")
+    labels = torch.tensor([0, 1, 2, 7 if (bad and case["what"] == "labels") else 3])
     start = time.monotonic()
     try:
         if case["impl"] == "lse":
             lse(q, k, 5.0, backend="torch")
         else:
-            contrastive_loss(q, k, 5.0, impl=case["impl"], backend="torch")
+            contrastive_loss(q, k, 5.0, labels, impl=case["impl"], backend="torch")
     except ValueError as err:
         return {"error": str(err), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
