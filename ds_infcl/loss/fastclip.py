@@ -82,7 +82,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.ops.lse import BACKENDS
-from ds_infcl.ring import all_gather_nograd, exchange_layout, global_sum_with_grad, resolve_group
+from ds_infcl.ring import (
+    all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad, resolve_group,
+)
 
 __all__ = [
     "FastCLIPLoss",
@@ -287,6 +289,9 @@ class FastCLIPLoss(_KeepFP32):
         loss = loss_fn(image_features, text_features, batch.sample_index)
         loss.backward()     # the temperature was already updated by forward
     """
+
+    # Trainers pass the batch's global sample indices to losses that declare this.
+    needs_sample_index = True
 
     _STATE_GLOBAL = ("log_u1", "log_u2", "tau", "tau_m", "tau_v", "tau_count", "tau_lr_decayed",
                      "num_updates", "epoch")
@@ -576,7 +581,7 @@ class FastCLIPLoss(_KeepFP32):
             (ds,) = torch.autograd.grad(weighted, scale_t, retain_graph=True)
         parts = torch.stack([ds.reshape(()).detach().double(), mean_le.detach().double()])
         if world > 1:
-            parts = parts.to(_comm_device(group, parts.device))
+            parts = parts.to(comm_device(group, parts.device))
             dist.all_reduce(parts, group=group)
         d_scale, total_mean_le = float(parts[0]), float(parts[1])
         tau = float(tau_now)
@@ -617,7 +622,7 @@ class FastCLIPLoss(_KeepFP32):
             cols.append(extra.double())
         payload = torch.cat(cols, dim=1)
         if layout.world > 1:
-            payload = payload.to(_comm_device(group, payload.device))
+            payload = payload.to(comm_device(group, payload.device))
             payload = all_gather_nograd(payload, layout.query_sizes, group)
         payload = payload.to(self.log_u1.device)
         gidx = payload[:, 0].round().long()
@@ -663,11 +668,6 @@ class FastCLIPLoss(_KeepFP32):
             f"gamma_schedule={self.gamma_schedule!r}, eps={self.eps:g}, rho={self.rho:g}, "
             f"temperature={self.temperature:.4f}, temperature_lr={self.temperature_lr:g}"
         )
-
-
-def _comm_device(group, device: torch.device) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cpu") if backend == "gloo" else device
 
 
 # --------------------------------------------------------------------------------------------
