@@ -27,7 +27,7 @@ __all__ = [
     "agree_on_input_errors",
 ]
 
-# torch >= 2.12 renamed the flat collectives (the old names warn); keep both working.
+# Recent torch renamed the flat collectives (the old names warn); older torch has only those.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
