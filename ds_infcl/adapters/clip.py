@@ -40,6 +40,7 @@ __all__ = ["ClipModel", "load_clip", "CONFIG_NAME", "WEIGHTS_NAME"]
 CONFIG_NAME = "clip_config.json"
 WEIGHTS_NAME = "model.safetensors"
 POOLINGS = ("eos", "cls", "mean", "pooler")
+VISION_POOLINGS = ("cls", "mean")
 _CLIP_TYPES = {"vision": "clip_vision_model", "text": "clip_text_model"}
 
 
@@ -78,6 +79,10 @@ class ClipModel(nn.Module):
         image_mean, image_std: the normalization the towers expect (kept for preprocessing).
         text_pooling: ``"eos"`` (CLIP: the last attended token), ``"cls"``, ``"mean"``; default
             ``eos`` for a CLIP text tower, ``cls`` otherwise.
+        vision_pooling: ``"cls"`` (CLIP, ViT) or ``"mean"`` (the mean of the patch tokens, then
+            the tower's final layer norm). A tiny ViT trained from scratch starts with a CLS
+            output that hardly depends on the image (cosine ~0.99 between any two digits) and
+            spends its first steps escaping that; the mean of the patch tokens does not.
         lock_image, lock_text: freeze that tower and its projection (LiT).
         init_logit_scale, max_logit_scale: log of the initial and maximal scale (CLIP: 1/0.07, 100).
         loss_impl, loss_backend, tile_size: forwarded to ``ContrastiveLoss`` (``impl``,
@@ -110,6 +115,7 @@ class ClipModel(nn.Module):
         image_mean: Sequence[float] = (0.48145466, 0.4578275, 0.40821073),
         image_std: Sequence[float] = (0.26862954, 0.26130258, 0.27577711),
         text_pooling: Optional[str] = None,
+        vision_pooling: str = "cls",
         lock_image: bool = False,
         lock_text: bool = False,
         init_logit_scale: float = math.log(1 / 0.07),
@@ -128,6 +134,8 @@ class ClipModel(nn.Module):
             text_pooling = "eos" if text_config.model_type == _CLIP_TYPES["text"] else "cls"
         if text_pooling not in POOLINGS:
             raise ValueError(f"text_pooling must be one of {POOLINGS}, got {text_pooling!r}")
+        if vision_pooling not in VISION_POOLINGS:
+            raise ValueError(f"vision_pooling must be one of {VISION_POOLINGS}, got {vision_pooling!r}")
         self.vision_model = _build_tower(vision_config)
         self.text_model = _build_tower(text_config)
         self.visual_projection = nn.Linear(vision_config.hidden_size, embed_dim, bias=False)
@@ -146,6 +154,7 @@ class ClipModel(nn.Module):
         self.image_mean = [float(x) for x in image_mean]
         self.image_std = [float(x) for x in image_std]
         self.text_pooling = text_pooling
+        self.vision_pooling = vision_pooling
         self.image_locked = False
         self.text_locked = False
         self._init_projections()
@@ -207,7 +216,12 @@ class ClipModel(nn.Module):
 
     def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.vision_model(pixel_values=pixel_values)
-        if self.vision_model.config.model_type == _CLIP_TYPES["vision"]:
+        is_clip = self.vision_model.config.model_type == _CLIP_TYPES["vision"]
+        if self.vision_pooling == "mean":
+            pooled = out.last_hidden_state[:, 1:].mean(dim=1)
+            if is_clip:
+                pooled = self.vision_model.post_layernorm(pooled)
+        elif is_clip:
             pooled = out.pooler_output  # post-layernorm CLS
         else:
             pooled = out.last_hidden_state[:, 0]
@@ -291,6 +305,7 @@ class ClipModel(nn.Module):
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         )
         mean, std = image_stats(arch)
+        kwargs.setdefault("vision_pooling", arch["vision"].get("pool", "cls"))
         kwargs.setdefault("image_mean", mean)
         kwargs.setdefault("image_std", std)
         return cls(vision, text, embed_dim=arch["embed_dim"], **kwargs)
@@ -353,6 +368,11 @@ class ClipModel(nn.Module):
         vc, tc = self.vision_model.config, self.text_model.config
         if (vc.model_type, tc.model_type) != (_CLIP_TYPES["vision"], _CLIP_TYPES["text"]):
             raise ValueError(f"to_hf_clip needs CLIP towers, got {vc.model_type} and {tc.model_type}")
+        if (self.vision_pooling, self.text_pooling) != ("cls", "eos"):
+            raise ValueError(
+                f"to_hf_clip needs CLIP's pooling (vision 'cls', text 'eos'), got "
+                f"{self.vision_pooling!r} and {self.text_pooling!r}"
+            )
         config = CLIPConfig(
             vision_config=vc.to_dict(), text_config=tc.to_dict(), projection_dim=self.embed_dim,
             logit_scale_init_value=self.logit_scale.item(),
@@ -376,6 +396,7 @@ class ClipModel(nn.Module):
             "image_mean": self.image_mean,
             "image_std": self.image_std,
             "text_pooling": self.text_pooling,
+            "vision_pooling": self.vision_pooling,
             "lock_image": self.image_locked,
             "lock_text": self.text_locked,
             **self._loss_settings,

@@ -8,7 +8,8 @@ An architecture is a small dict::
      "image_mean": [...], "image_std": [...]}            # optional, default OpenAI CLIP's
 
 ``width`` is the hidden size, ``mlp_ratio`` (default 4) sets the MLP width, ``act`` the activation
-(default ``quick_gelu``, as OpenAI's CLIP). They become ``transformers.CLIPVisionConfig`` and
+(default ``quick_gelu``, as OpenAI's CLIP), ``vision.pool`` the image pooling (``cls``, default,
+or ``mean`` of the patch tokens; see ``ClipModel``). They become ``transformers.CLIPVisionConfig`` and
 ``CLIPTextConfig`` (``to_hf_configs``); the text vocabulary size comes from the tokenizer.
 """
 
@@ -25,19 +26,21 @@ _OPENAI_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _OPENAI_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def _arch(embed_dim, image_size, patch_size, v_width, v_layers, v_heads, ctx, t_width, t_layers, t_heads, **extra):
+def _arch(embed_dim, image_size, patch_size, v_width, v_layers, v_heads, ctx, t_width, t_layers, t_heads,
+          pool="cls", **extra):
     return {
         "embed_dim": embed_dim,
         "vision": {"image_size": image_size, "patch_size": patch_size, "width": v_width,
-                   "layers": v_layers, "heads": v_heads},
+                   "layers": v_layers, "heads": v_heads, "pool": pool},
         "text": {"context_length": ctx, "width": t_width, "layers": t_layers, "heads": t_heads},
         **extra,
     }
 
 
 CLIP_ARCHITECTURES: Dict[str, Dict[str, Any]] = {
-    # The built-in digits demo: 16x16 grey digits (replicated to RGB), 4x4 patches, short captions.
-    "digits-tiny": _arch(64, 16, 4, 64, 2, 4, 16, 64, 2, 4,
+    # The built-in digits demo: 16x16 grey digits (replicated to RGB), 4x4 patches, short captions;
+    # mean-pooled patch tokens (a from-scratch CLS output starts image-independent).
+    "digits-tiny": _arch(64, 16, 4, 64, 2, 4, 16, 64, 2, 4, pool="mean",
                          image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
     # Tests and smoke runs.
     "tiny": _arch(32, 32, 8, 32, 1, 2, 16, 32, 1, 2),

@@ -4,7 +4,7 @@ No DeepSpeed, no process group: this checks that the towers, the data pipeline, 
 the ``infcl`` loss and the evaluation fit together and learn, and finds settings for the demo
 (which runs the same task through the deepspeed launcher on 2 ranks)::
 
-    python -m ds_infcl.adapters.clip_digits_check --data data/digits --steps 300
+    python -m ds_infcl.adapters.clip_digits_check --data data/digits --steps 150
 
 It writes the digits shards if ``--data`` has none, trains a tokenizer on the training captions,
 trains ``--arch`` from scratch with AdamW (warmup + cosine), evaluates zero-shot accuracy and
@@ -40,14 +40,15 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="data/digits", help="digits shard folder (written if missing)")
     parser.add_argument("--arch", default="digits-tiny")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--impl", default="infcl", help="loss implementation")
-    parser.add_argument("--init-temperature", type=float, default=0.07,
-                        help="initial temperature (the learnable scale starts at its inverse)")
+    parser.add_argument("--init-temperature", type=float, default=0.2,
+                        help="initial temperature (the learnable scale starts at its inverse; "
+                        "CLIP uses 0.07, which learns the digits more slowly)")
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
     parser.add_argument("--random-crop", type=float, default=0.0,
                         help="lower area bound of a random-resized crop (0: no augmentation)")
@@ -55,6 +56,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, help="folder to save the trained model and tokenizer")
+    parser.add_argument("--losses-out", default=None, help="write the per-step losses to this JSON file")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -99,7 +101,7 @@ def main(argv=None) -> dict:
     setup_s = time.perf_counter() - start
     model.train()
     batches = iter(train_data)
-    data_s = 0.0
+    data_s, losses = 0.0, []
     for step in range(args.steps):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -110,6 +112,7 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
         optimizer.step()
+        losses.append(out["loss"].item())
         if step % 25 == 0 or step == args.steps - 1:
             print(
                 f"step {step:4d}  loss {out['loss'].item():.4f}  scale {model.loss.scale.item():6.2f}  "
@@ -128,6 +131,9 @@ def main(argv=None) -> dict:
         num_params=sum(p.numel() for p in model.parameters()),
     )
     print(json.dumps(metrics, indent=1))
+    if args.losses_out:
+        with open(args.losses_out, "w") as f:
+            json.dump({"impl": args.impl, "seed": args.seed, "losses": losses}, f)
     if args.save:
         model.save(args.save, tokenizer=tokenizer)
     return metrics

@@ -184,3 +184,16 @@ def test_towers_only_for_a_trainer_that_owns_the_loss(tmp_path, tokenizer):
     assert full.loss.logit_scale.item() == 2.5
     torch.testing.assert_close(full.encode_image(images), towers.encode_image(images))
     assert ClipModel.load(str(tmp_path), with_loss=False).loss is None
+
+
+def test_mean_vision_pooling(tokenizer):
+    torch.manual_seed(0)
+    model = ClipModel.from_architecture("tiny", tokenizer, vision_pooling="mean")
+    images, ids, mask = _inputs(tokenizer)
+    hidden = model.vision_model(pixel_values=images).last_hidden_state
+    expected = F.normalize(model.visual_projection(model.vision_model.post_layernorm(hidden[:, 1:].mean(1))), dim=-1)
+    torch.testing.assert_close(model.encode_image(images), expected)
+    with pytest.raises(ValueError, match="pooling"):
+        model.to_hf_clip()
+    with pytest.raises(ValueError, match="vision_pooling must be one of"):
+        ClipModel.from_architecture("tiny", tokenizer, vision_pooling="max")
