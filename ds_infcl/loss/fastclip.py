@@ -82,8 +82,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.ops.lse import BACKENDS
+from ds_infcl.ops.validation import check_features
 from ds_infcl.ring import (
-    all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad, resolve_group,
+    all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad, group_size, resolve_group,
 )
 
 __all__ = [
@@ -464,15 +465,17 @@ class FastCLIPLoss(_KeepFP32):
                 "FastCLIPLoss needs sample_index (the global index of every pair): pass it to "
                 "forward (the trainer passes the batch's sample_index)"
             )
-        self._check_inputs(q, k, sample_index)
-        if labels is not None:
-            diag = torch.arange(q.shape[0], device=labels.device)
-            if labels.shape != diag.shape or not torch.equal(labels.long(), diag):
-                raise ValueError(
-                    "FastCLIPLoss contrasts image-text pairs: labels must be None or arange(b) "
-                    "(no hard negatives)"
-                )
-        layout = exchange_layout(q, k, group, protocol="ring_lse", flags=0)
+        if not (torch.is_tensor(q) and torch.is_tensor(k)) or q.dim() != 2 or k.dim() != 2:
+            raise ValueError("image_features and text_features must be 2-D tensors [b, c]")
+        # Local checks first, but raised only after the size exchange has told every rank that
+        # some rank failed: a rank that raised alone would leave the others waiting in it.
+        error = self._input_error(q, k, sample_index, labels, allow_empty=group_size(group) > 1)
+        try:
+            layout = exchange_layout(q, k, group, protocol="ring_lse", flags=int(error is not None))
+        except ValueError as err:
+            raise ValueError(error or f"FastCLIPLoss: another rank's inputs are invalid ({err})") from None
+        if error is not None:
+            raise ValueError(error)
         num_pairs = layout.num_queries
         if layout.num_keys != num_pairs or any(a != b for a, b in zip(layout.query_sizes, layout.key_sizes)):
             raise ValueError(
@@ -486,7 +489,8 @@ class FastCLIPLoss(_KeepFP32):
         gamma = self.current_gamma()
         idx_state = sample_index.to(device=self.log_u1.device, dtype=torch.long)
         dev = q.device
-        opts = dict(exclude_positive=True, backend=self.backend, group=group, tile_size=self.tile_size)
+        opts = dict(exclude_positive=True, backend=self.backend, group=group, tile_size=self.tile_size,
+                    check_finite=False)  # checked above
         sim_pos = (q.float() * k.float()).sum(dim=1)  # s_ii
 
         if self.individual:
@@ -556,24 +560,31 @@ class FastCLIPLoss(_KeepFP32):
 
     # ---- pieces of forward --------------------------------------------------------------------
 
-    def _check_inputs(self, q, k, sample_index):
+    def _input_error(self, q, k, sample_index, labels, allow_empty) -> Optional[str]:
+        """The message of the first problem with this rank's inputs, or ``None``."""
+        try:
+            check_features(q, k, check_finite=True, allow_empty=allow_empty)
+        except ValueError as err:
+            return str(err)
         if not torch.is_tensor(sample_index) or sample_index.dim() != 1:
-            raise ValueError("sample_index must be a 1-D tensor of global sample indices")
+            return "sample_index must be a 1-D tensor of global sample indices"
         if sample_index.dtype.is_floating_point or sample_index.dtype == torch.bool:
-            raise ValueError(f"sample_index must be an integer tensor, got {sample_index.dtype}")
-        if not (torch.is_tensor(q) and torch.is_tensor(k)) or q.dim() != 2 or k.dim() != 2:
-            raise ValueError("image_features and text_features must be 2-D tensors [b, c]")
+            return f"sample_index must be an integer tensor, got {sample_index.dtype}"
         if sample_index.shape[0] != q.shape[0] or k.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"FastCLIPLoss needs one sample index per image-text pair: got {q.shape[0]} images, "
-                f"{k.shape[0]} texts, {sample_index.shape[0]} indices"
+            return (
+                f"FastCLIPLoss needs one sample index per image-text pair: got {q.shape[0]} "
+                f"images, {k.shape[0]} texts, {sample_index.shape[0]} indices"
             )
         if sample_index.numel():
             lo, hi = int(sample_index.min()), int(sample_index.max())
             if lo < 0 or hi >= self.num_samples:
-                raise ValueError(
-                    f"sample_index out of range [0, {self.num_samples}): min {lo}, max {hi}"
-                )
+                return f"sample_index out of range [0, {self.num_samples}): min {lo}, max {hi}"
+        if labels is not None:
+            diag = torch.arange(q.shape[0], device=labels.device)
+            if labels.shape != diag.shape or not torch.equal(labels.long(), diag):
+                return ("FastCLIPLoss contrasts image-text pairs: labels must be None or "
+                        "arange(b) (no hard negatives)")
+        return None
 
     def _global_tau_grad(self, weighted, scale_t, tau_now, mean_le, group, world) -> float:
         """d/dtau of the objective's estimator (v0: Eq. 8, v3: Eq. 10), summed over ranks."""

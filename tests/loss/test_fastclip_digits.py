@@ -134,11 +134,15 @@ def main(argv=None):
     parser.add_argument("--rho", type=float, default=None)
     parser.add_argument("--temperature-lr", type=float, default=None)
     parser.add_argument("--eps", type=float, default=None)
+    parser.add_argument("--gamma-schedule", default=None, help='"cosine" or "constant"')
+    parser.add_argument("--gamma", type=float, default=None, help="the constant schedule's gamma")
+    parser.add_argument("--init-temperature", type=float, default=0.07)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     fc = {k: v for k, v in (("rho", args.rho), ("temperature_lr", args.temperature_lr),
-                            ("eps", args.eps)) if v is not None}
+                            ("eps", args.eps), ("gamma_schedule", args.gamma_schedule),
+                            ("gamma", args.gamma)) if v is not None}
     results = []
     for seed in args.seeds:
         for run in args.runs:
@@ -146,8 +150,10 @@ def main(argv=None):
             if run == "infonce_full":
                 name, batch = "infonce", 1437  # the whole training split (80% of 1,797)
             res = train_digits(name, batch_size=batch, epochs=args.epochs, data_dir=args.data,
-                               seed=seed, fastclip_kwargs=fc if name != "infonce" else None)
+                               seed=seed, fastclip_kwargs=fc if name != "infonce" else None,
+                               init_temperature=args.init_temperature)
             res["run"] = run
+            res["fastclip_args"] = fc if name != "infonce" else {}
             print(json.dumps(res), flush=True)
             results.append(res)
     if args.out:

@@ -76,3 +76,34 @@ def test_ranks_equal_single_process(world):
                     assert torch.equal(finite, torch.isfinite(t)), f"{what}: {name} support"
                     err = (t[finite].double() - ref["state"][name][finite].double()).abs().max()
                     assert err <= 1e-4 * (1 + ref["state"][name][finite].abs().max()), f"{what}: {name}"
+
+
+def bad_input_worker(rank, world, payload):
+    """Rank 1 passes an out-of-range index (or NaN features): every rank must raise, none hang."""
+    import time
+
+    from ds_infcl.loss.fastclip import FastCLIPLoss
+
+    m = FastCLIPLoss(NUM_SAMPLES, version="v3", backend="torch")
+    q, k, idx = _step_data(0, 4)
+    idx = idx.clone()
+    if rank == 1 and payload == "index":
+        idx[0] = NUM_SAMPLES + 5
+    if rank == 1 and payload == "nan":
+        q = q.clone()
+        q[1, 0] = float("nan")
+    start = time.monotonic()
+    try:
+        m(q, k, idx)
+    except ValueError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("what", ["index", "nan"])
+def test_bad_input_on_one_rank_raises_everywhere(what):
+    results = spawn(bad_input_worker, 2, payload=what, timeout=60)
+    assert all(r["error"] for r in results), results
+    expected = "out of range" if what == "index" else "non-finite|NaN"
+    assert any(word in results[1]["error"] for word in expected.split("|")), results[1]
+    assert all(r["seconds"] < 30 for r in results)
