@@ -84,7 +84,8 @@ from torch import nn
 from ds_infcl.ops.lse import BACKENDS
 from ds_infcl.ops.validation import check_features
 from ds_infcl.ring import (
-    all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad, group_size, resolve_group,
+    agree_on_input_errors, all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad,
+    group_size, resolve_group,
 )
 
 __all__ = [
@@ -467,15 +468,13 @@ class FastCLIPLoss(_KeepFP32):
             )
         if not (torch.is_tensor(q) and torch.is_tensor(k)) or q.dim() != 2 or k.dim() != 2:
             raise ValueError("image_features and text_features must be 2-D tensors [b, c]")
-        # Local checks first, but raised only after the size exchange has told every rank that
-        # some rank failed: a rank that raised alone would leave the others waiting in it.
-        error = self._input_error(q, k, sample_index, labels, allow_empty=group_size(group) > 1)
-        try:
-            layout = exchange_layout(q, k, group, protocol="ring_lse", flags=int(error is not None))
-        except ValueError as err:
-            raise ValueError(error or f"FastCLIPLoss: another rank's inputs are invalid ({err})") from None
-        if error is not None:
-            raise ValueError(error)
+        # A rank whose local checks fail announces it through the size exchange, so that every
+        # rank raises instead of waiting in it.
+        with agree_on_input_errors(group):
+            error = self._input_error(q, k, sample_index, labels, allow_empty=group_size(group) > 1)
+            if error is not None:
+                raise ValueError(error)
+        layout = exchange_layout(q, k, group, protocol="ring_lse")
         num_pairs = layout.num_queries
         if layout.num_keys != num_pairs or any(a != b for a, b in zip(layout.query_sizes, layout.key_sizes)):
             raise ValueError(
