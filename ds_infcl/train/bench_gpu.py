@@ -77,6 +77,8 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     text = open(log_path, errors="replace").read()
     if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
         status = "oom"
+    if status == "failed":
+        print(f"[bench] {tag} failed; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-30:]), flush=True)
     row = {"impl": impl, "global_batch": global_batch, "gpus": args.num_gpus, "chunk": chunk, "steps": steps,
            "status": status, "samples_per_s": "", "step_time_s": "", "peak_mem_gib": "", "wall_s": round(wall, 1)}
     if status == "ok":
@@ -90,15 +92,31 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     return row
 
 
-def _device_name() -> str:
+def _gpu_info() -> Dict[str, object]:
+    """Name and memory of the GPUs from nvidia-smi: this process must not create a CUDA context
+    (it would hold device memory while the measured cases run)."""
     try:
-        import torch
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {"name": "no GPU (nvidia-smi not found)", "mem_gib": None}
+    name, mem = [x.strip() for x in out[0].split(",")]
+    return {"name": f"{len(out)} x {name}", "mem_gib": float(mem) / 1024}
 
-        if torch.cuda.is_available():
-            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    except ImportError:  # pragma: no cover
-        pass
-    return "cpu"
+
+def _linear_limit(rows: List[Dict], impl: str, mem_gib: Optional[float]) -> str:
+    """Global batch at which the last two searched sizes' peak memory, extended linearly, reaches
+    the device memory (the Inf-CL path grows linearly with the batch under GradCache)."""
+    ok = [r for r in rows if r["phase"] == "search" and r["impl"] == impl and r["status"] == "ok"]
+    if mem_gib is None or len(ok) < 2:
+        return ""
+    (b1, m1), (b2, m2) = [(r["global_batch"], r["peak_mem_gib"]) for r in ok[-2:]]
+    slope = (m2 - m1) / (b2 - b1)
+    if slope <= 0:
+        return ""
+    return f"~{int(b2 + (mem_gib - m2) / slope):,} (linear extrapolation of peak memory, {slope * 2**20:.2f} GiB per 1M samples)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -117,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    gpu = _gpu_info()
 
     rows = []
     for impl in args.impls:
@@ -142,15 +161,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         w.writerows(rows)
     lines = [
         f"# Training-step benchmark: {args.arch}, ZeRO-2 bf16, GradCache chunk {args.chunk_size}/GPU",
-        "", f"Device: {_device_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+        "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
         "| impl | global batch | status | samples/s | step time (s) | peak memory / GPU (GiB) |", "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["phase"] == "throughput":
             lines.append(f"| {r['impl']} | {r['global_batch']} | {r['status']} | {r['samples_per_s']} | {r['step_time_s']} | {r['peak_mem_gib']} |")
     if largest:
-        lines += ["", "| impl | largest global batch (one step) |", "| --- | --- |"]
-        lines += [f"| {k} | {v} |" for k, v in largest.items()]
+        lines += ["", "| impl | largest global batch that ran (one step) | memory-limited estimate |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k == 'infcl' else ''} |" for k, v in largest.items()]
         lines += ["", "Search rows (batch, status, peak GiB): " + "; ".join(
             f"{r['impl']} {r['global_batch']} {r['status']} {r['peak_mem_gib']}" for r in rows if r["phase"] == "search")]
     with open(os.path.join(args.out, "results.md"), "w") as f:

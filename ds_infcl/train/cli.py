@@ -83,6 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
+    from ds_infcl.train.dist import shutdown
     from ds_infcl.train.loop import train
 
     try:
@@ -91,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         ev = ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.eval.items()))
         print(

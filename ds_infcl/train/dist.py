@@ -21,6 +21,7 @@ __all__ = [
     "init_distributed",
     "local_device",
     "free_port",
+    "shutdown",
 ]
 
 
@@ -90,3 +91,15 @@ def local_device() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     acc.set_device(local_rank)
     return torch.device(acc.device_name(local_rank))
+
+
+def shutdown() -> None:
+    """Barrier, then destroy the process group: leaving it to interpreter exit has aborted a rank
+    now and then ("terminate called without an active exception" from a live gloo thread)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

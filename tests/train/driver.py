@@ -68,6 +68,9 @@ def main(path):
         cfg = load_run_config(job.get("config"), list(job.get("set", [])) + [f"output_dir={d}"])
         ds = _load_ds_config(job["ds_config"], job.get("ds_set", []))
         train(cfg, ds, resume=job.get("resume"), save_params=os.path.join(d, "params.pt"))
+    from ds_infcl.train.dist import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

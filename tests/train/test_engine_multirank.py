@@ -75,6 +75,7 @@ RESUME = ["batch.global_batch_size=24", "batch.grad_cache=true", "batch.chunk_si
           'task.args={"dropout": 0.1}', "logging.progress_bar=false", "eval.at_end=false"] + GATHER
 # The schedule length is fixed: the interrupted run differs only in stopping at step 3 (a
 # restored scheduler keeps the length it was saved with).
+RESUME_STAGES = [2, 3]
 RESUME_DS = ["bf16.enabled=false", 'optimizer={"type": "AdamW", "params": {"lr": 0.01}}',
              "scheduler.params.total_num_steps=6", "scheduler.params.warmup_num_steps=2"]
 
@@ -83,8 +84,13 @@ RESUME_DS = ["bf16.enabled=false", 'optimizer={"type": "AdamW", "params": {"lr":
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
     jobs = _grid_jobs() + _optimizer_jobs() + _offload_jobs() + [
-        h.job("resume_full", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=6", "checkpoint.every_steps=3"]),
-        h.job("resume_part", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=3"]),
+    ] + [
+        job
+        for stage in RESUME_STAGES
+        for job in (
+            h.job(f"resume{stage}_full", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=6", "checkpoint.every_steps=3"]),
+            h.job(f"resume{stage}_part", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=3"]),
+        )
     ]
     h.run_jobs(h.write_jobs(out, jobs, "two_ranks.json"), 2)
     refs = [h.job(f"ref_{d}", "zero0.json", h.SGD + _bf16(d), h.COMMON + GATHER) for d in DTYPES]
@@ -92,8 +98,8 @@ def runs(tmp_path_factory):
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
         "batch.verify_replay=true"]))
     h.run_jobs(h.write_jobs(out, refs, "one_rank.json"), 1)
-    resumed = [h.job("resume_part", "zero2.json", RESUME_DS, RESUME + ["train.num_steps=6"],
-                     resume=str(out / "resume_part" / "checkpoints"))]
+    resumed = [h.job(f"resume{stage}_part", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=6"],
+                     resume=str(out / f"resume{stage}_part" / "checkpoints")) for stage in RESUME_STAGES]
     h.run_jobs(h.write_jobs(out, resumed, "resumed.json"), 2)
     _two_nodes(out)
     return out
@@ -171,12 +177,13 @@ def test_optimizer_from_deepspeed_json(runs, name):
     assert all(torch.isfinite(v).all() for v in p.values())
 
 
-def test_resume_continues_as_if_never_stopped(runs):
-    full, part = h.csv_losses(runs / "resume_full"), h.csv_losses(runs / "resume_part")
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_resume_continues_as_if_never_stopped(runs, stage):
+    full, part = h.csv_losses(runs / f"resume{stage}_full"), h.csv_losses(runs / f"resume{stage}_part")
     assert sorted(part) == list(range(1, 7))
     assert part == full  # bit-identical losses on CPU, including steps 4-6 after the resume
-    assert h.max_abs_diff(h.params(runs / "resume_full"), h.params(runs / "resume_part")) == 0.0
-    s = h.summary(runs / "resume_part")
+    assert h.max_abs_diff(h.params(runs / f"resume{stage}_full"), h.params(runs / f"resume{stage}_part")) == 0.0
+    s = h.summary(runs / f"resume{stage}_part")
     assert s["start_step"] == 3 and s["steps"] == 6
 
 
@@ -194,7 +201,7 @@ def test_logs_and_summary(runs):
     for col in ("loss", "logit_scale", "samples_per_s", "peak_mem_mib", "lr"):
         assert all(r[col] not in ("", "nan") for r in rows), col
     assert (runs / "z2_fp32" / "ds_config.resolved.json").exists()
-    ckpt = runs / "resume_full" / "checkpoints"
+    ckpt = runs / "resume2_full" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000006"
     assert sorted(p.name for p in (ckpt / "step00000003").glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]
 
