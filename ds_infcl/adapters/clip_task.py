@@ -11,7 +11,8 @@ and the trainer's registration wraps them::
 
 Data: either the built-in digits (``data_dir`` without manifests: the shards are written there
 on first use) or any shard folder with ``train.json``/``heldout.json`` manifests written by the
-shard writer, or explicit brace patterns (``train_shards``, ``heldout_shards``).
+shard writer or ``ds_infcl.data.synthetic`` (and optionally ``zero_shot.json``: ``class_names``,
+``templates``), or explicit brace patterns (``train_shards``, ``heldout_shards``).
 
 Model: a named architecture (``arch``) trained from scratch, or a folder (``model_path``): one
 written by ``ClipModel.save`` or a Hugging Face ``CLIPModel`` checkpoint. The tokenizer comes
@@ -21,6 +22,7 @@ from ``tokenizer_path``, else the model folder, else it is trained on the traini
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -67,7 +69,7 @@ class ClipTask:
 
     Args:
         data_dir: digits shard folder (written if missing) or a folder with ``train.json`` and
-            ``heldout.json`` manifests.
+            ``heldout.json`` manifests (and ``zero_shot.json`` for zero-shot prompts).
         train_shards, heldout_shards: brace patterns, instead of ``data_dir``'s manifests.
         arch: named architecture or JSON file, trained from scratch (ignored with ``model_path``).
         model_path: a ``ClipModel.save`` folder or a local HF ``CLIPModel`` checkpoint.
@@ -122,6 +124,12 @@ class ClipTask:
                 heldout = os.path.join(data_dir, "heldout.json")
                 if os.path.exists(heldout):
                     info["heldout"] = read_manifest(heldout)
+                zero_shot = os.path.join(data_dir, "zero_shot.json")
+                if os.path.exists(zero_shot):
+                    with open(zero_shot) as f:
+                        prompts = json.load(f)
+                    info["class_names"] = prompts["class_names"]
+                    info["zero_shot_templates"] = prompts["templates"]
             else:
                 info = ensure_digits_shards(data_dir, seed=seed)
             train_shards = info["train"]["urls"]

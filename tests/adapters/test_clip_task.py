@@ -69,3 +69,19 @@ def test_task_towers_batches_evaluate_export(digits_dir, tmp_path):
     model = ClipModel.load(str(tmp_path / "model"))
     assert model.loss.scale.item() == pytest.approx(20.0)
     assert os.path.exists(tmp_path / "model" / "tokenizer.json")
+
+
+def test_task_on_generated_shards(tmp_path):
+    from ds_infcl.data.synthetic import write_synthetic_shards
+
+    info = write_synthetic_shards(str(tmp_path / "synth"), num_train=40, num_heldout=12, image_size=32,
+                                  samples_per_shard=10, workers=1)
+    assert info["train"]["shard_sizes"] == [10, 10, 10, 10] and info["heldout"]["num_samples"] == 12
+    task = ClipTask(str(tmp_path / "synth"), arch="tiny", tokenizer_kind="bpe", vocab_size=100)
+    assert len(task.class_names) == 32 and task.zero_shot_templates
+    towers = task.build_towers()
+    batch = next(task.batches(rank=1, world_size=2, local_batch_size=8, start_step=0, seed=0))
+    assert batch["query_inputs"].shape == (8, 3, 32, 32)
+    assert all(0 <= i < 40 for i in batch["sample_index"].tolist())
+    metrics = task.evaluate(towers, step=0)
+    assert metrics["num_images"] == 12 and "zero_shot_top1" in metrics
