@@ -59,7 +59,9 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
            "--deepspeed_config", args.deepspeed_config, "--config", os.path.join(out, "run.json"),
-           "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0"]
+           "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
+           # torch.optim.AdamW (foreach): no JIT build of FusedAdam in every fresh machine
+           "--ds-set", "optimizer.params.torch_adam=true"]
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     log_path = os.path.join(out, "log.txt")

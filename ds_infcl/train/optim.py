@@ -7,7 +7,7 @@ runs everywhere, and says what it changed:
 
 | ``optimizer.type`` | CUDA | CPU accelerator (what this module does) |
 | --- | --- | --- |
-| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload) | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``) instead of JIT-building the CPU Adam op (~90 s) |
+| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload); ``torch.optim`` when FusedAdam is neither prebuilt nor buildable (no ``nvcc``) | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``) instead of JIT-building the CPU Adam op (~90 s) |
 | ``Lamb`` | DeepSpeed ``FusedLamb`` (CUDA op, JIT-built) | CUDA-only op: uses ``ds_infcl.train.optim.Lamb`` (same maths, pure PyTorch) |
 | ``Lion`` | DeepSpeed ``FusedLion`` (``DeepSpeedCPULion`` with offload) | CUDA-only op: uses ``ds_infcl.train.optim.Lion`` (pure PyTorch) |
 | ``SGD`` (any ``torch.optim`` name) | ``torch.optim.<name>`` | same |
@@ -21,7 +21,6 @@ on CUDA) without it is a ``ConfigError`` naming the key.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -172,6 +171,12 @@ def prepare_optimizer(
     if on_cpu and lname in ("adam", "adamw") and "torch_adam" not in params:
         params["torch_adam"] = True
         notes.append(f"optimizer {name}: torch_adam=true on CPU (no JIT build of DeepSpeed's CPU Adam)")
+    elif lname in ("adam", "adamw") and "torch_adam" not in params and not _fused_adam_buildable(cfg):
+        params["torch_adam"] = True
+        notes.append(
+            f"optimizer {name}: DeepSpeed's FusedAdam is not prebuilt and no nvcc is found to JIT-build it; "
+            "using torch.optim (torch_adam=true). Install with DS_BUILD_FUSED_ADAM=1 to use FusedAdam"
+        )
     if on_cpu and lname in ("lamb", "lion"):
         cls = Lamb if lname == "lamb" else Lion
         allowed = set(cls.__init__.__code__.co_varnames[2 : cls.__init__.__code__.co_argcount])
@@ -198,5 +203,20 @@ def prepare_optimizer(
     return cfg, client, notes
 
 
-def _lr_of(optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else math.nan
+def _fused_adam_buildable(cfg: Dict[str, Any]) -> bool:
+    """Whether DeepSpeed can provide the Adam it would pick: prebuilt, or a CUDA compiler for its
+    JIT build (optimizer offload uses the CPU Adam, built with the host compiler)."""
+    offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    if offload in ("cpu", "nvme"):
+        return True
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get("fused_adam"):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    import os
+    import shutil
+
+    return shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))

@@ -83,7 +83,8 @@ def _feature_gradients(loss_module, query, key, loss_kwargs, logit_scale, learna
     leaf_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
     q = query.detach().to(leaf_dtype).requires_grad_(True)
     k = key.detach().to(leaf_dtype).requires_grad_(True)
-    s = nn.Parameter(logit_scale.detach().clone()) if learnable else None
+    scale_dtype = torch.float32 if query.dtype == torch.float16 else logit_scale.dtype
+    s = nn.Parameter(logit_scale.detach().to(scale_dtype)) if learnable else None
     with torch.enable_grad():
         loss = loss_with_logit_scale(loss_module, s, q, k, **loss_kwargs)
         grads = torch.autograd.grad(loss, [q, k, s] if learnable else [q, k])

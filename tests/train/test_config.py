@@ -88,8 +88,22 @@ def test_scheduler_auto_lengths():
 def test_prepare_optimizer_on_cpu():
     ds, client, notes = prepare_optimizer({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "cpu")
     assert client is None and ds["optimizer"]["params"]["torch_adam"] is True
-    ds, client, _ = prepare_optimizer({"optimizer": {"type": "AdamW", "params": {}}}, "cuda")
-    assert "torch_adam" not in ds["optimizer"]["params"]
+
+
+def test_prepare_adam_on_cuda(monkeypatch):
+    import ds_infcl.train.optim as optim
+
+    monkeypatch.setattr(optim, "_fused_adam_buildable", lambda cfg: True)
+    ds, _, _ = prepare_optimizer({"optimizer": {"type": "AdamW", "params": {}}}, "cuda")
+    assert "torch_adam" not in ds["optimizer"]["params"]  # DeepSpeed's FusedAdam
+    monkeypatch.setattr(optim, "_fused_adam_buildable", lambda cfg: False)
+    ds, _, notes = prepare_optimizer({"optimizer": {"type": "AdamW", "params": {}}}, "cuda")
+    assert ds["optimizer"]["params"]["torch_adam"] is True and "DS_BUILD_FUSED_ADAM=1" in notes[0]
+    ds, _, _ = prepare_optimizer({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}, "cuda")
+    assert ds["optimizer"]["params"]["torch_adam"] is False  # an explicit choice is kept
+
+
+def test_prepare_other_optimizers():
     for name, cls in (("Lion", Lion), ("LAMB", Lamb)):
         ds, client, notes = prepare_optimizer(
             {"optimizer": {"type": name, "params": {"lr": 1e-3, "bogus": 1}}, "zero_optimization": {"stage": 2}}, "cpu"

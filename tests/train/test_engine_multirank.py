@@ -97,12 +97,25 @@ def runs(tmp_path_factory):
     refs.append(h.job("bench_tiny", "zero2.json", [], h.COMMON + [
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
         "batch.verify_replay=true"]))
+    if _clip_task_available():
+        refs.append(h.job("clip_task", "zero2.json", [], [
+            "task.name=clip", 'task.args={"data_dir": "%s", "eval_batch_size": 128}' % (out / "digits"),
+            "batch.global_batch_size=32", "batch.grad_cache=true", "batch.chunk_size=16", "train.num_steps=2",
+            "logging.progress_bar=false", "checkpoint.at_end=false"]))
     h.run_jobs(h.write_jobs(out, refs, "one_rank.json"), 1)
     resumed = [h.job(f"resume{stage}_part", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=6"],
                      resume=str(out / f"resume{stage}_part" / "checkpoints")) for stage in RESUME_STAGES]
     h.run_jobs(h.write_jobs(out, resumed, "resumed.json"), 2)
     _two_nodes(out)
     return out
+
+
+def _clip_task_available():
+    try:
+        import ds_infcl.adapters.clip_task  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _two_nodes(out):
@@ -218,3 +231,15 @@ def test_bench_task_smoke(runs):
     s = h.summary(runs / "bench_tiny")
     assert s["num_chunks"] == 3 and len(s["losses"]) == 3
     assert all(torch.isfinite(torch.tensor(s["losses"])))
+
+
+def test_clip_adapter_task_trains_and_exports(runs):
+    """The CLIP adapter's task plugs into the trainer: dict batches, GradCache, its evaluation, and
+    the final-model export through its save_pretrained."""
+    if not _clip_task_available():
+        pytest.skip("ds_infcl.adapters.clip_task is not there")
+    s = h.summary(runs / "clip_task")
+    assert s["steps"] == 2 and s["num_chunks"] == 2
+    assert all(torch.isfinite(torch.tensor(s["losses"])))
+    assert "zero_shot_top1" in s["eval"]
+    assert (runs / "clip_task" / "final_model" / "clip_config.json").exists()
