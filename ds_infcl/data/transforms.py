@@ -52,6 +52,9 @@ class ImageTransform:
         self.image_size = int(image_size)
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        # (x / 255 - mean) / std as one multiply-subtract on the uint8 values
+        self._scale = 1.0 / (255.0 * self.std)
+        self._offset = self.mean / self.std
         self.train = train
         self.random_crop_scale = tuple(random_crop_scale) if random_crop_scale else None
         self.rng = random.Random(seed)
@@ -74,9 +77,9 @@ class ImageTransform:
                 image = image.resize((new_w, new_h), Image.BICUBIC)
             left, top = (new_w - size) // 2, (new_h - size) // 2
             image = image.crop((left, top, left + size, top + size))
-        array = np.asarray(image, dtype=np.float32) / 255.0
-        tensor = torch.from_numpy(array.copy()).permute(2, 0, 1)
-        return (tensor - self.mean) / self.std
+        array = np.array(image, dtype=np.uint8, copy=True)
+        tensor = torch.from_numpy(array).permute(2, 0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+        return tensor.mul_(self._scale).sub_(self._offset)
 
     def _random_resized_crop(self, image):
         w, h = image.size
