@@ -1,0 +1,101 @@
+"""The ring's schedule in one process, with the P2P layer replaced by a recorder: each hop is
+posted before the block is computed and waited for after; the right blocks are received, in the
+right sizes and dtypes (features in their own dtype, statistics and ``dk`` in float32); column
+statistics and ``dk`` end with a final hop home."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_infcl.loss.ring as ring_mod
+from ds_infcl.ring import RingLayout
+
+WORLD, RANK = 3, 1
+QUERY_SIZES, KEY_SIZES, C = (2, 3, 4), (4, 6, 8), 5
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    events = []
+
+    def post(send, recv, layout, group):
+        events.append(("post", [(tuple(t.shape), t.dtype) for t in send],
+                       [(tuple(t.shape), t.dtype) for t in recv]))
+        return ["work"]
+
+    def wait(works):
+        if works:
+            events.append(("wait",))
+
+    def forward(query, key, scale, **kw):
+        events.append(("compute", key.shape[0], kw["exclude_positive"]))
+        col = torch.zeros(key.shape[0]) if kw["compute_col"] else None
+        return torch.zeros(query.shape[0]), col
+
+    def backward(query, key, scale, row, col, grad_row, grad_col, **kw):
+        events.append(("compute", key.shape[0], kw["exclude_positive"]))
+        return torch.zeros(query.shape[0], C), torch.zeros(key.shape[0], C), torch.zeros(())
+
+    monkeypatch.setattr(ring_mod, "post_ring_shift", post)
+    monkeypatch.setattr(ring_mod, "wait_all", wait)
+    monkeypatch.setattr(ring_mod, "lse_forward", forward)
+    monkeypatch.setattr(ring_mod, "lse_backward", backward)
+    return events
+
+
+def _layout():
+    return RingLayout(world=WORLD, rank=RANK, query_sizes=QUERY_SIZES, key_sizes=KEY_SIZES,
+                      feature_dim=C, send_to=2, recv_from=0)
+
+
+def _inputs():
+    q = torch.zeros(QUERY_SIZES[RANK], C, dtype=torch.bfloat16)
+    k = torch.zeros(KEY_SIZES[RANK], C, dtype=torch.bfloat16)
+    return q, k
+
+
+def test_forward_schedule(recorder):
+    q, k = _inputs()
+    ring_mod._ring_forward(q, k, 2.0, None, True, True, "torch", None, _layout(), None)
+    bf16, f32 = torch.bfloat16, torch.float32
+    owners = [(RANK - t) % WORLD for t in range(WORLD)]  # 1, 0, 2
+    expected = [
+        # step 0: own block (positive excluded); the next key block (rank 0's) is received
+        ("post", [((KEY_SIZES[1], C), bf16)], [((KEY_SIZES[0], C), bf16)]),
+        ("compute", KEY_SIZES[owners[0]], True), ("wait",),
+        # step 1: keys of rank 2 arrive; block 1's partial column LSE leaves, block 0's arrives
+        ("post", [((KEY_SIZES[0], C), bf16), ((KEY_SIZES[1],), f32)],
+         [((KEY_SIZES[2], C), bf16), ((KEY_SIZES[0],), f32)]),
+        ("compute", KEY_SIZES[owners[1]], False), ("wait",),
+        # step 2 (last): no keys left to fetch; block 0's partial leaves, block 2's arrives
+        ("post", [((KEY_SIZES[0],), f32)], [((KEY_SIZES[2],), f32)]),
+        ("compute", KEY_SIZES[owners[2]], False), ("wait",),
+        # final hop: block 2's complete statistics go home, this rank's own arrive
+        ("post", [((KEY_SIZES[2],), f32)], [((KEY_SIZES[1],), f32)]), ("wait",),
+    ]
+    assert recorder == expected
+
+
+def test_backward_schedule(recorder):
+    q, k = _inputs()
+    row, col = torch.zeros(QUERY_SIZES[RANK]), torch.zeros(KEY_SIZES[RANK])
+    dq, dk, ds = ring_mod._ring_backward(q, k, 2.0, None, False, True, "torch", None, _layout(),
+                                         None, row, col, torch.ones_like(row), None)
+    assert dq.shape == (QUERY_SIZES[RANK], C) and dk.shape == (KEY_SIZES[RANK], C)
+    assert dq.dtype == dk.dtype == torch.float32
+    bf16, f32 = torch.bfloat16, torch.float32
+    m0, m1, m2 = KEY_SIZES
+    expected = [
+        # keys travel with [col_lse; grad_col] (fp32 [2, m]); dk accumulators one hop behind
+        ("post", [((m1, C), bf16), ((2, m1), f32)], [((m0, C), bf16), ((2, m0), f32)]),
+        ("compute", m1, False), ("wait",),
+        ("post", [((m0, C), bf16), ((2, m0), f32), ((m1, C), f32)],
+         [((m2, C), bf16), ((2, m2), f32), ((m0, C), f32)]),
+        ("compute", m0, False), ("wait",),
+        ("post", [((m0, C), f32)], [((m2, C), f32)]),
+        ("compute", m2, False), ("wait",),
+        # final hop: block 2's complete dk goes home, this rank's own dk arrives
+        ("post", [((m2, C), f32)], [((m1, C), f32)]), ("wait",),
+    ]
+    assert recorder == expected
