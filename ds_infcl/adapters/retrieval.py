@@ -490,7 +490,9 @@ def load_sentence_transformer(
     return model
 
 
-def encode_chunked(model: nn.Module, features: Dict[str, torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+def encode_chunked(
+    model: nn.Module, features: Dict[str, torch.Tensor], chunk_size: Optional[int], *, force_checkpoint: bool = False
+) -> torch.Tensor:
     """``model(features)["sentence_embedding"]`` for all rows, ``chunk_size`` rows at a time.
 
     With gradients enabled each chunk runs under non-reentrant activation checkpointing: only its
@@ -498,10 +500,12 @@ def encode_chunked(model: nn.Module, features: Dict[str, torch.Tensor], chunk_si
     dropout draws the same masks) during the backward. That is GradCache in one autograd graph:
     the same forward + recompute + backward work, the exact full-batch gradient, memory of one
     chunk of activations, and a *single* backward per step (which is what DeepSpeed ZeRO needs).
+    ``force_checkpoint`` checkpoints even a single chunk (when the caller splits the batch).
     """
     n = features["input_ids"].shape[0]
-    if not chunk_size or chunk_size >= n:
+    if not force_checkpoint and (not chunk_size or chunk_size >= n):
         return model(dict(features))["sentence_embedding"]
+    chunk_size = chunk_size or n
     keys = tuple(k for k, v in features.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n)
     constants = {k: v for k, v in features.items() if k not in keys}
 
@@ -578,22 +582,52 @@ class RetrievalEncoders(nn.Module):
     def encode_key(self, features: Dict[str, torch.Tensor]) -> torch.Tensor:
         return encode_chunked(self.doc_model, features, self.chunk_size)
 
+    def encode_texts(self, texts: Sequence[str], side: str = "query", chunk_size: Optional[int] = None) -> torch.Tensor:
+        """``[n, c]`` embeddings of raw texts, in order, differentiable.
+
+        Texts are sorted by length and tokenized ``chunk_size`` (default ``self.chunk_size``) at a
+        time, so each chunk is padded only to its own longest text; with gradients enabled each
+        chunk runs under activation checkpointing (GradCache-style, see ``encode_chunked``).
+        """
+        if side not in ("query", "document"):
+            raise ValueError(f"side must be 'query' or 'document', got {side!r}")
+        model, prefix = (self.query_model, self.query_prefix) if side == "query" else (self.doc_model, self.document_prefix)
+        n = len(texts)
+        if n == 0:
+            return torch.zeros(0, self.embedding_dim)
+        chunk = chunk_size or self.chunk_size or n
+        order = sorted(range(n), key=lambda i: len(texts[i]))
+        outs = []
+        for start in range(0, n, chunk):
+            features = model.tokenize([prefix + texts[i] for i in order[start : start + chunk]])
+            features = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in features.items()}
+            outs.append(encode_chunked(model, features, chunk, force_checkpoint=n > chunk))
+        emb = torch.cat(outs)
+        inverse = torch.empty(n, dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(n)
+        return emb[inverse.to(emb.device)]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.query_model.parameters()).device
+
     @torch.no_grad()
-    def _embed(self, model, texts: Sequence[str], prefix: str, batch_size: int) -> torch.Tensor:
+    def _embed(self, side: str, texts: Sequence[str], batch_size: int) -> torch.Tensor:
+        model = self.query_model if side == "query" else self.doc_model
         was_training = model.training
         model.eval()
         try:
-            out = [model(model.tokenize([prefix + t for t in texts[i : i + batch_size]]))["sentence_embedding"]
-                   for i in range(0, len(texts), batch_size)]
+            return self.encode_texts(texts, side, chunk_size=batch_size)
         finally:
             model.train(was_training)
-        return torch.cat(out) if out else torch.zeros(0, self.embedding_dim)
 
     def embed_queries(self, texts: Sequence[str], batch_size: int = 128) -> torch.Tensor:
-        return self._embed(self.query_model, texts, self.query_prefix, batch_size)
+        """Query embeddings without gradients, in eval mode (length-sorted batches)."""
+        return self._embed("query", texts, batch_size)
 
     def embed_documents(self, texts: Sequence[str], batch_size: int = 128) -> torch.Tensor:
-        return self._embed(self.doc_model, texts, self.document_prefix, batch_size)
+        """Document embeddings without gradients, in eval mode (length-sorted batches)."""
+        return self._embed("document", texts, batch_size)
 
     @property
     def embedding_dim(self) -> int:

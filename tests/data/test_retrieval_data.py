@@ -168,3 +168,20 @@ def test_sampler_validation():
     # all texts equal: one example per batch can be formed, so with drop_last no batch of 2
     assert list(GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2)) == []
     assert len(list(GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2, drop_last=False))) == 4
+
+
+def test_chatterbot_split_by_question():
+    pytest.importorskip("chatterbot_corpus")
+    pytest.importorskip("yaml")
+    from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = chatterbot_retrieval_split("english", heldout_fraction=0.2, seed=0)
+    train_q = {ex.query for ex in split.train}
+    assert len(train_q) == len(split.train) and not train_q & set(split.queries)
+    assert len(split.queries) == len(split.relevant) > 100
+    assert len(set(split.corpus)) == len(split.corpus)
+    for ex in split.train:
+        assert ex.pos and all(p in split.corpus for p in ex.pos)
+    assert all(rel and max(rel) < len(split.corpus) for rel in split.relevant)
