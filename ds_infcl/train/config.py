@@ -77,7 +77,9 @@ class TaskConfig:
 class LossConfig:
     """``loss``: the ``ContrastiveLoss`` module (it owns the learnable logit scale). ``None`` means
     the task's default (CLIP is symmetric with a learnable scale, retrieval one-directional with
-    a fixed scale of 20)."""
+    a fixed scale of 20). ``impl`` may also name a FastCLIP loss (``fastclip_v0`` .. ``fastclip_v3``,
+    ``sogclr``, ``isogclr``): ``FastCLIPLoss`` built with ``args`` (``num_samples`` required,
+    e.g. ``steps_per_epoch``); ``args`` is only used by those."""
 
     impl: str = "infcl"
     backend: str = "auto"
@@ -86,6 +88,7 @@ class LossConfig:
     init_logit_scale: Optional[float] = None
     max_logit_scale: Optional[float] = None
     learnable_scale: Optional[bool] = None
+    args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -289,11 +292,30 @@ def run_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def _fastclip_names() -> tuple:
+    try:
+        from ds_infcl.loss import available_fastclip_losses
+    except ImportError:  # the FastCLIP module is optional
+        return ()
+    return tuple(available_fastclip_losses())
+
+
 def _validate(cfg: RunConfig) -> None:
     from ds_infcl.loss import available_loss_impls
     from ds_infcl.ops import BACKENDS
 
-    _allowed("loss.impl", cfg.loss.impl, available_loss_impls())
+    fastclip = _fastclip_names()
+    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip)
+    if cfg.loss.impl in fastclip:
+        if "num_samples" not in cfg.loss.args:
+            raise ConfigError(
+                f"loss.args.num_samples: required by loss.impl {cfg.loss.impl!r} (the size of the data "
+                "set: FastCLIP keeps state per sample index)"
+            )
+    elif cfg.loss.args:
+        raise ConfigError(
+            f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"
+        )
     _allowed("loss.backend", cfg.loss.backend, BACKENDS)
     _positive("loss.tile_size", cfg.loss.tile_size)
     if (

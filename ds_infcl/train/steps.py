@@ -70,10 +70,14 @@ def move_batch(batch: Batch, device: torch.device) -> Batch:
     return batch.map(lambda t: t.to(device, non_blocking=True))
 
 
+def _loss_kwargs(engine, batch: Batch, device: torch.device):
+    return batch.loss_kwargs(device, sample_index=getattr(engine.module.loss, "needs_sample_index", False))
+
+
 def uncached_step(engine, batch: Batch, device: torch.device) -> StepResult:
     """Encode the local batch, backward the global loss, step (one micro-step)."""
     chunk = move_batch(batch, device)
-    loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, batch.loss_kwargs(device))
+    loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, _loss_kwargs(engine, batch, device))
     engine.backward(loss)
     engine.step()
     return StepResult(float(loss.detach()), 1)
@@ -139,7 +143,7 @@ def grad_cache_step(
 
     # Pass 2: the global loss and its gradients with respect to the features and the scale, once.
     loss, grad_q, grad_k, grad_s = _feature_gradients(
-        model.loss, query, key, batch.loss_kwargs(device), logit_scale, model.learnable_scale
+        model.loss, query, key, _loss_kwargs(engine, batch, device), logit_scale, model.learnable_scale
     )
     zero_s = None if grad_s is None else torch.zeros_like(grad_s)
 

@@ -112,9 +112,12 @@ class Batch:
             key_inputs=tree_map(fn, self.key_inputs),
         )
 
-    def loss_kwargs(self, device: torch.device) -> Dict[str, Any]:
-        """``labels`` and ``loss_inputs`` on ``device``: the keyword arguments of the loss."""
+    def loss_kwargs(self, device: torch.device, sample_index: bool = False) -> Dict[str, Any]:
+        """``labels`` and ``loss_inputs`` (and ``sample_index`` for losses that declare
+        ``needs_sample_index``, FastCLIP's) on ``device``: the keyword arguments of the loss."""
         out = {"labels": self.resolved_labels().to(device)}
+        if sample_index:
+            out["sample_index"] = self.sample_index.to(device)
         out.update(tree_map(lambda t: t.to(device), dict(self.loss_inputs)))
         return out
 
@@ -139,7 +142,14 @@ class Task:
         the global loss, a ``group`` attribute (set to the engine's data-parallel group) and the
         scale, if learnable, as the ``nn.Parameter`` ``logit_scale``."""
         from ds_infcl.loss import ContrastiveLoss
+        from ds_infcl.train.config import _fastclip_names
 
+        if loss_config.impl in _fastclip_names():
+            from ds_infcl.loss import build_fastclip_loss
+
+            return build_fastclip_loss(
+                loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **loss_config.args
+            )
         defaults = getattr(self, "loss_defaults", None)
         kwargs = dict(defaults()) if callable(defaults) else {}
         for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):
@@ -307,6 +317,8 @@ class SyntheticTask(Task):
         data_seed: seed of the maps and the samples.
         eval_size: held-out pairs for ``evaluate``.
         symmetric: the loss default (symmetric, CLIP-like).
+        num_samples: a finite data set of this many pairs, visited in order epoch after epoch
+            (global index modulo ``num_samples``); ``None``: an endless stream.
     """
 
     name = "synthetic"
@@ -322,6 +334,7 @@ class SyntheticTask(Task):
         data_seed: int = 1234,
         eval_size: int = 256,
         symmetric: bool = True,
+        num_samples: Optional[int] = None,
     ):
         self.input_dim = input_dim
         self.latent_dim = latent_dim
@@ -332,6 +345,7 @@ class SyntheticTask(Task):
         self.data_seed = data_seed
         self.eval_size = eval_size
         self.symmetric = symmetric
+        self.num_samples = num_samples
         g = torch.Generator().manual_seed(data_seed)
         self._map_q = torch.randn(latent_dim, input_dim, generator=g) / math.sqrt(latent_dim)
         self._map_k = torch.randn(latent_dim, input_dim, generator=g) / math.sqrt(latent_dim)
@@ -362,6 +376,8 @@ class SyntheticTask(Task):
         while True:
             start = step * global_batch + rank * local_batch_size
             index = torch.arange(start, start + local_batch_size, dtype=torch.long)
+            if self.num_samples:
+                index = index % self.num_samples
             q, k = self.pairs(index)
             yield Batch(query_inputs=q, key_inputs=k, sample_index=index)
             step += 1

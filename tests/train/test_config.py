@@ -42,11 +42,19 @@ def _cfg(**sections):
         ({"logging": {"every_steps": 0}}, r"logging.every_steps: must be >= 1"),
         ({"checkpoint": {"every_steps": -1}}, r"checkpoint.every_steps: must be >= 0"),
         ({"loss": {"init_logit_scale": 5.0, "max_logit_scale": 4.0}}, r"loss.init_logit_scale: 5.0 exceeds"),
+        ({"loss": {"args": {"num_samples": 10}}}, r"loss.args: only used by the FastCLIP losses"),
     ],
 )
 def test_run_config_errors_name_the_key(sections, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(**sections)
+
+
+def test_fastclip_loss_needs_num_samples():
+    pytest.importorskip("ds_infcl.loss.fastclip")
+    with pytest.raises(ConfigError, match=r"loss.args.num_samples: required by loss.impl 'fastclip_v3'"):
+        _cfg(loss={"impl": "fastclip_v3"})
+    assert _cfg(loss={"impl": "fastclip_v3", "args": {"num_samples": 100}}).loss.args == {"num_samples": 100}
 
 
 def test_required_keys():

@@ -35,6 +35,9 @@ def _grid_jobs():
     gc = ["batch.grad_cache=true", "batch.chunk_size=4", "batch.verify_replay=true"]  # 12 per rank: 3 chunks
     for stage, dtype in ((2, "fp32"), (3, "fp32"), (3, "bf16")):
         jobs.append(h.job(f"gc{stage}_{dtype}", f"zero{stage}.json", h.SGD + _bf16(dtype), h.COMMON + GATHER + gc))
+    if _fastclip_available():
+        jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
+        jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
     if h.ring_available():
         jobs.append(h.job("infcl_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"]))
         jobs.append(h.job("infcl_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"] + gc))
@@ -97,6 +100,8 @@ def runs(tmp_path_factory):
     refs.append(h.job("bench_tiny", "zero2.json", [], h.COMMON + [
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
         "batch.verify_replay=true"]))
+    if _fastclip_available():
+        refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
     if _clip_task_available():
         refs.append(h.job("clip_task", "zero2.json", [], [
             "task.name=clip", 'task.args={"data_dir": "%s", "eval_batch_size": 128}' % (out / "digits"),
@@ -108,6 +113,19 @@ def runs(tmp_path_factory):
     h.run_jobs(h.write_jobs(out, resumed, "resumed.json"), 2)
     _two_nodes(out)
     return out
+
+
+# FastCLIP v3 over a finite synthetic data set (48 pairs = 2 global batches per epoch).
+FASTCLIP = ["loss.impl=fastclip_v3", 'loss.args={"num_samples": 48, "steps_per_epoch": 2}',
+            'task.args={"num_samples": 48}']
+
+
+def _fastclip_available():
+    try:
+        from ds_infcl.loss import available_fastclip_losses  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _clip_task_available():
@@ -243,3 +261,14 @@ def test_clip_adapter_task_trains_and_exports(runs):
     assert all(torch.isfinite(torch.tensor(s["losses"])))
     assert "zero_shot_top1" in s["eval"]
     assert (runs / "clip_task" / "final_model" / "clip_config.json").exists()
+
+
+@pytest.mark.parametrize("case", ["fc_z2", "fc_gc3"])
+def test_fastclip_loss_matches_single_process(runs, case):
+    """FastCLIP v3 (per-sample state, sample indices from the batch, its own temperature update)
+    on 2 ranks, uncached under ZeRO-2 and GradCache under ZeRO-3, against one process."""
+    if not _fastclip_available():
+        pytest.skip("ds_infcl.loss.fastclip is not there")
+    _assert_close(h.params(runs / "ref_fc"), h.params(runs / case), "fp32")
+    assert h.summary(runs / case)["losses"] == pytest.approx(h.summary(runs / "ref_fc")["losses"], rel=1e-5)
+    assert h.summary(runs / case)["final_logit_scale"] == pytest.approx(h.summary(runs / "ref_fc")["final_logit_scale"], rel=1e-6)

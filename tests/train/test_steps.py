@@ -182,3 +182,35 @@ def test_zero_dim_logit_scale_becomes_shape_one():
     model, _ = _model()
     assert model.loss.logit_scale.shape == (1,)
     assert model("logit_scale").item() == pytest.approx(math.log(1 / 0.07), rel=1e-6)
+
+
+def test_fastclip_loss_through_both_steps():
+    """FastCLIP (per-sample state, its own temperature update inside forward, sample indices from
+    the batch): one GradCache step equals one uncached step, and the state is updated once."""
+    pytest.importorskip("ds_infcl.loss.fastclip")
+    from ds_infcl.train.config import LossConfig
+    from ds_infcl.train.task import build_loss
+
+    task = SyntheticTask(num_samples=40)
+    batch = next(task.batches(rank=0, world_size=1, local_batch_size=12, start_step=3, seed=0))
+    assert batch.sample_index.tolist() == list(range(36, 40)) + list(range(0, 8))
+    cfg = LossConfig(impl="fastclip_v3", args={"num_samples": 40, "steps_per_epoch": 4})
+
+    def run(chunk):
+        torch.manual_seed(0)
+        model = ContrastiveModel(task.build_towers(), build_loss(task, cfg))
+        engine = FakeEngine(model, 1 if chunk is None else 12 // chunk)
+        if chunk is None:
+            result = uncached_step(engine, batch, torch.device("cpu"))
+        else:
+            result = grad_cache_step(engine, batch, chunk, torch.device("cpu"), verify_replay=True)
+        return result, engine, model.loss
+
+    ref, ref_engine, ref_loss = run(None)
+    got, engine, loss = run(4)
+    assert got.loss == pytest.approx(ref.loss, rel=1e-5)
+    assert int(loss.num_updates) == int(ref_loss.num_updates) == 1
+    torch.testing.assert_close(loss.log_u1, ref_loss.log_u1)
+    assert loss.temperature == pytest.approx(ref_loss.temperature, rel=1e-6)
+    for name, g in ref_engine.step_grads.items():
+        torch.testing.assert_close(engine.step_grads[name], g, rtol=1e-4, atol=1e-6)
