@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--configs", nargs="+", default=CANDIDATES)
-    ap.add_argument("--chunks", nargs="+", default=["8192x8192", "16384x8192", "4096x4096", "16384x16384"])
+    ap.add_argument("--chunks", nargs="*", default=["8192x8192", "16384x8192", "4096x4096", "16384x16384"])
+    ap.add_argument("--kinds", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = ap.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     b, c = args.batch, args.dim
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     print(f"# {torch.cuda.get_device_name()} b={b} c={c} {args.dtype}: torch.mm q@k^T {mm_ms:.3f} ms "
           f"({2 * b * b * c / mm_ms / 1e9:.0f} TFLOP/s)", flush=True)
     print(f"addmm out_dtype in place works: {triton_lse._addmm_out_dtype_works(q.device)}", flush=True)
-    for kind in ("fwd", "bwd"):
+    for kind in args.kinds:
         for cfg in args.configs:
             os.environ[f"DS_INFCL_TRITON_{kind.upper()}"] = cfg
             if kind == "fwd":

@@ -333,9 +333,10 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
     """Tiles for Hopper (H100/H200), measured in docs/kernels.md; correct on any CUDA GPU.
 
     128 x 128 tiles with a 64-wide K step (32 for fp32, whose operands take twice the shared
-    memory), 8 warps, 3 pipeline stages; 64 x 64 tiles with 4 warps when the problem has fewer
-    128-tiles than two per SM (small per-rank batches). The interpreter gets 32 x 32 tiles so
-    that small test shapes still span several tiles.
+    memory), 8 warps, 3 pipeline stages; 256 x 64 with 4 stages for the 16-bit forward; 64 x 64
+    tiles with 4 warps when the problem has fewer 128-tiles than two per SM (small per-rank
+    batches). The interpreter gets 32 x 32 tiles so that small test shapes still span several
+    tiles. Measured sweeps: ``python -m ds_infcl.bench.triton_tune``.
     """
     env = _env_config("DS_INFCL_TRITON_" + kind.upper())
     if env is not None:
@@ -346,6 +347,10 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
     tiles = triton.cdiv(b, 128) * triton.cdiv(m, 128)
     if tiles < 2 * _num_sms(device):
         return _Config(64, 64, bk, 4, 3)
+    if kind == "fwd" and dtype != torch.float32:
+        # 256-row tiles halve the column merges per logit (docs/kernels.md: 3.85 ms against
+        # 3.94 ms for 128 x 128 at b = 32k, c = 512 on H200)
+        return _Config(256, 64, 64, 8, 4)
     return _Config(128, 128, bk, 8, 3)
 
 
