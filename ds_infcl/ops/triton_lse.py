@@ -15,12 +15,14 @@ Kernels and launchers, in reading order:
 * ``_lse_fwd_kernel``: a persistent grid of ``G x S`` programs. Program ``(g, s)`` walks the
   query blocks ``g, g + G, g + 2G, ...`` and, for each, the key blocks of split ``s``. Each
   ``[BLOCK_M, BLOCK_N]`` tile is one GEMM (fp32 accumulation, K-loop over ``c``) whose epilogue
-  updates the running row statistics (registers) *and* the column LSE of the tile, merged into
-  the program's own row of a ``[G, m]`` buffer (read-modify-write without atomics: no other program
-  touches that slot). Row results land in a ``[S, b]`` buffer. Both buffers are merged with
-  ``logsumexp`` on the host. Scratch is ``(G m + S b)`` floats with ``G * S`` about 2 programs per
-  SM, so it stays linear in ``b + m`` (never ``b * m / tile``), and splitting the keys into ``S``
-  parts keeps a small ``b`` (1,024) busy on every SM.
+  updates the running row statistics (registers) *and* the column (max, sum of exp) of the tile,
+  merged into the program's own row of ``[G, m]`` buffers (read-modify-write without atomics: no
+  other program touches that slot). One exponential per logit serves both directions (a
+  tile-wide shift, ``_tile_stats_shared``, with an exact fallback). Row results land in a
+  ``[S, b]`` buffer; the host merges both with ``logsumexp``. Scratch is ``(2 G m + S b)``
+  floats with ``G * S`` about one program per SM, so it stays linear in ``b + m`` (never
+  ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
+  every SM.
 * ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
   pre-scaled by a power of two so fp16 does not underflow) for a bounded block of
   ``CHUNK_ROWS x CHUNK_COLS`` pairs, plus the per-tile partial sums of ``G * (q . k)`` that give
@@ -40,6 +42,7 @@ bf16 operands are upcast to fp32 before ``tl.dot``, which the interpreter gets w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import NamedTuple, Optional, Tuple
@@ -376,6 +379,11 @@ def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> Tuple[torch.Tensor,
     return query.contiguous(), key.contiguous()
 
 
+def _on_device(t: torch.Tensor):
+    """Launch on the tensors' GPU, whatever the current device is."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _labels_arg(query: torch.Tensor, labels: Optional[torch.Tensor], exclude_positive: bool):
     if exclude_positive and labels is not None:
         return labels.to(device=query.device, dtype=torch.int32).contiguous(), True
@@ -433,15 +441,16 @@ def lse_forward_triton(
     else:
         col_max = col_sum = row_part  # unused pointers
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
-    _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
-        query, key, lab, row_part, col_max, col_sum,
-        b, m, c, query.stride(0), key.stride(0), float(scale),
-        num_qblocks, kblocks_per_split, num_kblocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
-        SHARED_SHIFT=SHARED_SHIFT, **cfg.launch_opts(),
-        **_kernel_flags(query, c, cfg.block_k),
-    )
+    with _on_device(query):
+        _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
+            query, key, lab, row_part, col_max, col_sum,
+            b, m, c, query.stride(0), key.stride(0), float(scale),
+            num_qblocks, kblocks_per_split, num_kblocks,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
+            SHARED_SHIFT=SHARED_SHIFT, **cfg.launch_opts(),
+            **_kernel_flags(query, c, cfg.block_k),
+        )
     row = _merge(row_part)
     col = None
     if compute_col:
@@ -552,13 +561,14 @@ def lse_backward_triton(
             cols = min(chunk_cols, m - j0)
             grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
             g = g_buf[: rows * cols].view(rows, cols)
-            _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-                query, key, lab, r2, a, cl2, w, g, ds_buf,
-                i0, j0, rows, cols, c, query.stride(0), key.stride(0), float(scale),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-                **cfg.launch_opts(), **flags,
-            )
+            with _on_device(query):
+                _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
+                    query, key, lab, r2, a, cl2, w, g, ds_buf,
+                    i0, j0, rows, cols, c, query.stride(0), key.stride(0), float(scale),
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
+                    **cfg.launch_opts(), **flags,
+                )
             dscale += ds_buf[: grid[0] * grid[1]].sum()
             k_blk = key[j0:j0 + cols]
             if flags["UPCAST"]:
