@@ -126,15 +126,57 @@ def _all_gather_nograd(t: torch.Tensor, group, world: int) -> List[torch.Tensor]
     return [o[:s] for o, s in zip(out, sizes)]
 
 
-def _all_gather_grad(t: torch.Tensor, group, world: int, sizes: Sequence[int]) -> List[torch.Tensor]:
-    """Gather with gradients: the backward sums every rank's gradient of a row at its owner."""
+class _AllGatherSumGrad(torch.autograd.Function):
+    """All-gather of equal-shaped tensors; backward: all-reduce (sum) of the gathered gradient and
+    this rank's slice of it (every rank's use of a row counts at its owner)."""
+
+    @staticmethod
+    def forward(ctx, t, group, world, rank):
+        import torch.distributed as dist
+
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t.contiguous(), group=group)
+        ctx.group, ctx.rank, ctx.n = group, rank, t.shape[0]
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; backward: the sum over ranks of the upstream gradients."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _all_gather_grad(t: torch.Tensor, group, world: int, rank: int, sizes: Sequence[int]) -> List[torch.Tensor]:
+    """Gather rows whose count differs per rank (``sizes``), with gradients summed at the owner."""
     if world == 1:
         return [t]
-    from torch.distributed.nn.functional import all_gather
-
-    padded = torch.cat([t, t.new_zeros((max(sizes) - t.shape[0], *t.shape[1:]))]) if max(sizes) > t.shape[0] else t
-    out = all_gather(padded.contiguous(), group=group)
-    return [o[:s] for o, s in zip(out, sizes)]
+    width = max(max(sizes), 1)
+    padded = torch.cat([t, t.new_zeros((width - t.shape[0], *t.shape[1:]))]) if width > t.shape[0] else t
+    out = _AllGatherSumGrad.apply(padded, group, world, rank)
+    return [out[r * width : r * width + s] for r, s in enumerate(sizes)]
 
 
 def _global_sum_with_grad(share: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -142,9 +184,7 @@ def _global_sum_with_grad(share: torch.Tensor, group, world: int) -> torch.Tenso
     upstream, i.e. every rank's objective counts, as the ring's gradients do)."""
     if world == 1:
         return share
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(share, group=group)
+    return _AllReduceSum.apply(share, group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,28 +341,27 @@ def retrieval_loss(
     my_k = need_k[(need_k >= key_off[rank]) & (need_k < key_off[rank] + m)] - key_off[rank]
     nq = [int(((need_q >= q_off[r]) & (need_q < q_off[r] + query_sizes[r])).sum()) for r in range(world)]
     nk = [int(((need_k >= key_off[r]) & (need_k < key_off[r] + key_sizes[r])).sum()) for r in range(world)]
-    q_rows = torch.cat(_all_gather_grad(query[my_q], group, world, nq))
-    k_rows = torch.cat(_all_gather_grad(key[my_k], group, world, nk))
+    q_rows = torch.cat(_all_gather_grad(query[my_q], group, world, rank, nq))
+    k_rows = torch.cat(_all_gather_grad(key[my_k], group, world, rank, nk))
     # position of global query/key index within the gathered rows (need_* is sorted by rank)
     q_pos = torch.searchsorted(need_q, rows_g)
     k_pos = torch.searchsorted(need_k, cols_g)
 
-    share = (row_lse - pos).sum()
-    # row direction: pairs whose query lives here
+    # Every rank builds the same graph (no data-dependent branches, gathered rows always used),
+    # so the collectives of the backward run in the same order everywhere.
+    share = (row_lse - pos).sum() + 0.0 * (q_rows.float().sum() + k_rows.float().sum())
+    # row direction: pairs whose query lives here (possibly none)
     mine = (rows_g >= q_off[rank]) & (rows_g < q_off[rank] + b)
-    if bool(mine.any()):
-        x = scale_t * (q_rows[q_pos[mine]].float() * k_rows[k_pos[mine]].float()).sum(1)
-        share = share + _masked_lse_correction(row_lse, x, rows_g[mine] - q_off[rank]).sum()
+    x = scale_t * (q_rows[q_pos[mine]].float() * k_rows[k_pos[mine]].float()).sum(1)
+    share = share + _masked_lse_correction(row_lse, x, rows_g[mine] - q_off[rank]).sum()
     share = share / num_queries
     if symmetric:
         col_term = (col_lse[labels] - pos).sum()
         # column direction: pairs whose key is the positive of a query that lives here
-        local_pos_cols = labels + key_off[rank]
-        is_pos_col = torch.isin(cols_g, local_pos_cols)
-        if bool(is_pos_col.any()):
-            x = scale_t * (q_rows[q_pos[is_pos_col]].float() * k_rows[k_pos[is_pos_col]].float()).sum(1)
-            corr = _masked_lse_correction(col_lse, x, cols_g[is_pos_col] - key_off[rank])
-            col_term = col_term + corr[labels].sum()
+        is_pos_col = torch.isin(cols_g, labels + key_off[rank])
+        x = scale_t * (q_rows[q_pos[is_pos_col]].float() * k_rows[k_pos[is_pos_col]].float()).sum(1)
+        corr = _masked_lse_correction(col_lse, x, cols_g[is_pos_col] - key_off[rank])
+        col_term = col_term + corr[labels].sum()
         share = (share + col_term / num_queries) / 2
     return _global_sum_with_grad(share, group, world)
 
