@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ds_infcl.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from ds_infcl.train.config import BatchLayout, RunConfig, resolve_deepspeed_config
+from ds_infcl.train.config import RunConfig, resolve_deepspeed_config
 from ds_infcl.train.dist import accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
 from ds_infcl.train.model import ContrastiveModel

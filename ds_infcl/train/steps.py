@@ -32,10 +32,9 @@ DeepSpeed's loss scaling applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
-
 from torch import nn
 
 from ds_infcl.train.model import loss_with_logit_scale

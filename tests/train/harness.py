@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def write_jobs(directory: pathlib.Path, jobs: List[dict], name: str = "jobs.json
     return path
 
 
-def run_jobs(jobs_path: pathlib.Path, num_ranks: int, timeout: int = 300) -> None:
+def run_jobs(jobs_path: pathlib.Path, num_ranks: int, timeout: int = 900) -> None:
     """Run a jobs file with ``num_ranks`` ranks: the deepspeed launcher, or plain python for 1."""
     if num_ranks == 1:
         cmd = [sys.executable, str(DRIVER), str(jobs_path)]
@@ -71,9 +72,25 @@ def run_jobs(jobs_path: pathlib.Path, num_ranks: int, timeout: int = 300) -> Non
                str(DRIVER), str(jobs_path)]
     log = jobs_path.with_suffix(".log")
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n" + log.read_text()[-6000:])
+        proc = start(cmd, f)
+        rc = wait(proc, timeout)
+    if rc != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({rc}):\n" + log.read_text()[-6000:])
+
+
+def start(cmd: List[str], log) -> subprocess.Popen:
+    """Start a launcher in its own process group (so that a timeout can end its ranks too)."""
+    return subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, timeout: int) -> int:
+    """Exit code of ``proc``; on timeout kill its whole process group and return -9."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -9
 
 
 def params(run_dir: pathlib.Path) -> Dict[str, torch.Tensor]:

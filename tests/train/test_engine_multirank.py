@@ -8,9 +8,6 @@ so these tests check the engine whatever the state of the ring; ``infcl`` cases 
 ``ds_infcl.loss.ring`` exists.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -147,14 +144,10 @@ def _two_nodes(out):
         cmd = [str(h.DEEPSPEED), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
                "--master_addr", "127.0.0.1", "--master_port", port, str(h.DRIVER), str(jobs)]
         log = open(out / f"two_nodes_node{node_rank}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=h.env(), stdout=log, stderr=subprocess.STDOUT, cwd=h.REPO), log))
+        procs.append((h.start(cmd, log), log))
     for proc, log in procs:
-        try:
-            rc = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
+        rc = h.wait(proc, 600)
+        log.close()
         assert rc == 0, (out / "two_nodes_node0.log").read_text()[-4000:] + (out / "two_nodes_node1.log").read_text()[-4000:]
 
 
