@@ -5,7 +5,8 @@ evaluation results go to ``<output_dir>/eval.csv`` (``step`` plus the task's met
 resume, rows after the resumed step (written by the interrupted run after its last checkpoint)
 are dropped, so the file reads as one uninterrupted run. TensorBoard events go to
 ``<output_dir>/tensorboard`` through ``torch.utils.tensorboard``; without the ``tensorboard``
-package a single warning is printed and the CSV files remain.
+package (which that needs) one notice is printed and ``ds_infcl.train.tbwriter`` writes the
+scalar event files itself.
 """
 
 from __future__ import annotations
@@ -98,13 +99,18 @@ class MetricsLogger:
                 with open(self.eval_path, newline="") as f:
                     self._eval_header = next(csv.reader(f), None)
         if tensorboard:
+            tb_dir = os.path.join(output_dir, "tensorboard")
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+                self._tb = SummaryWriter(tb_dir, purge_step=start_step + 1 if start_step else None)
             except (ImportError, ModuleNotFoundError) as e:
+                from ds_infcl.train.tbwriter import ScalarEventWriter
+
+                self._tb = ScalarEventWriter(tb_dir)
                 if not MetricsLogger._warned_tb:
-                    print(f"[ds_infcl] TensorBoard logging is off ({e}); metrics go to {self.train_path}", file=sys.stderr)
+                    print(f"[ds_infcl] torch.utils.tensorboard is unavailable ({e}); writing scalar event "
+                          f"files with ds_infcl's own writer to {tb_dir}", file=sys.stderr)
                     MetricsLogger._warned_tb = True
         if progress_bar:
             from tqdm import tqdm

@@ -186,3 +186,25 @@ def test_cli_check(tmp_path, capsys):
     assert main(["--deepspeed_config", ZERO2, "--config", str(run), "--check",
                  "--ds-set", "train_batch_size=32"]) == 2
     assert "train_batch_size = 32 contradicts" in capsys.readouterr().err
+
+
+def test_tensorboard_event_files_without_tensorboard(tmp_path):
+    from ds_infcl.train.metrics import MetricsLogger
+    from ds_infcl.train.tbwriter import ScalarEventWriter, crc32c, read_scalar_events
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    w = ScalarEventWriter(str(tmp_path / "tb"))
+    w.add_scalar("train/loss", 1.5, 3)
+    w.add_scalar("train/loss", 0.25, 300)
+    w.close()
+    assert read_scalar_events(w.path) == [("train/loss", 3, 1.5), ("train/loss", 300, 0.25)]
+
+    log = MetricsLogger(str(tmp_path / "run"), enabled=True, progress_bar=False)
+    log.log_train({"step": 1, "loss": 2.0, "logit_scale": 2.6, "samples_per_s": 10.0})
+    log.log_eval(1, {"recall": 0.5})
+    log.close()
+    files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    events = read_scalar_events(str(files[0]))
+    assert ("train/loss", 1, 2.0) in events and ("eval/recall", 1, 0.5) in events
+    assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1].startswith("1,2.0,2.6")
