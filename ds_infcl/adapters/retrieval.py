@@ -76,14 +76,30 @@ def text_ids(texts: Sequence[str], device=None) -> torch.Tensor:
     return torch.tensor([_hash64(t.encode("utf-8")) for t in texts], dtype=torch.long, device=device)
 
 
+_M1, _M2 = 2_147_483_647, 2_147_483_629  # primes below 2**31
+_B1, _B2 = 1_000_003, 998_244_353 % 2_147_483_629
+
+
 def feature_ids(features: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[n]`` int64 ids of tokenized texts: a hash of each row's token ids under its attention
-    mask, so equal texts (same tokenizer, same truncation) get equal ids."""
-    ids = features["input_ids"].detach().cpu()
+    """``[n]`` int64 ids of tokenized texts: equal token ids under the attention mask (same
+    tokenizer, same truncation) give equal ids.
+
+    Two polynomial hashes modulo primes below 2**31, vectorized over rows on the tensors' device
+    (no per-row Python), combined into 62 bits; the length is part of the hash, padding is not.
+    """
+    ids = features["input_ids"].detach().long()
     mask = features.get("attention_mask")
-    mask = mask.detach().cpu().bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-    out = [_hash64(row[m].numpy().tobytes()) for row, m in zip(ids, mask)]
-    return torch.tensor(out, dtype=torch.long, device=features["input_ids"].device)
+    mask = mask.detach().bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    h1 = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+    h2 = torch.zeros_like(h1)
+    for t in range(ids.shape[1]):
+        tok = torch.where(mask[:, t], ids[:, t] + 1, torch.zeros_like(h1)) % _M2
+        keep = mask[:, t]
+        h1 = torch.where(keep, (h1 * _B1 + tok) % _M1, h1)
+        h2 = torch.where(keep, (h2 * _B2 + tok) % _M2, h2)
+    length = mask.sum(1)
+    h1 = (h1 * _B1 + length) % _M1
+    return h1 * (1 << 31) + h2
 
 
 # ----------------------------------------------------------------------------------------------

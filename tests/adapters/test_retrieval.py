@@ -92,6 +92,19 @@ def test_false_negative_pairs():
     assert rows.numel() == 0
 
 
+def test_feature_ids():
+    from ds_infcl.adapters.retrieval import feature_ids
+
+    ids = torch.tensor([[2, 7, 9, 3, 0], [2, 7, 9, 3, 11], [2, 7, 3, 0, 0], [2, 9, 7, 3, 0], [2, 7, 9, 3, 5]])
+    mask = (ids != 0).long()
+    mask[1, 4] = 0  # a padded position holding another token id
+    out = feature_ids({"input_ids": ids, "attention_mask": mask})
+    assert out[0] == out[1]  # padding does not count
+    assert len(set(out.tolist())) == 4  # order, length and content do
+    big = torch.randint(5, 30000, (4096, 12))
+    assert len(set(feature_ids({"input_ids": big}).tolist())) == 4096
+
+
 def test_text_ids():
     a = text_ids(["a cat", "a dog", "a cat", ""])
     assert a.dtype == torch.long and a[0] == a[2] and a[0] != a[1]
