@@ -142,6 +142,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     plan = [("infcl", b) for b in args.batches] + [("cached_mnrl", b) for b in args.baseline_batches] + \
            [("mnrl", b) for b in args.mnrl_batches]
     stopped = set()
+    fields = ["device", "loss", "global_batch", "mini_batch_size", "query_tokens", "doc_tokens",
+              "hard_negatives", "dtype", "status", "step_s", "samples_per_s", "peak_mem_gib", "loss_value"]
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     print(f"device {device_name}; model {path}; tokens q={args.query_tokens} d={args.doc_tokens}; "
           f"mini-batch {args.mini_batch_size}; one hard negative per query")
     print(f"{'loss':12s} {'batch':>8s} {'status':>6s} {'step s':>8s} {'samples/s':>10s} {'peak GiB':>9s}")
@@ -153,18 +157,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         rows.append(row)
         print(f"{name:12s} {batch:8d} {row['status']:>6s} {row.get('step_s', float('nan')):8.3f} "
               f"{row.get('samples_per_s', float('nan')):10.1f} {row.get('peak_mem_gib', float('nan')):9.2f}", flush=True)
+        if args.out:  # one row at a time: a run cut short keeps what it measured
+            new = not os.path.exists(args.out)
+            with open(args.out, "a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+                if new:
+                    w.writeheader()
+                w.writerow(row)
         if row["status"] == "oom" and name != "infcl":
             stopped.add(name)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        fields = ["device", "loss", "global_batch", "mini_batch_size", "query_tokens", "doc_tokens",
-                  "hard_negatives", "dtype", "status", "step_s", "samples_per_s", "peak_mem_gib", "loss_value"]
-        new = not os.path.exists(args.out)
-        with open(args.out, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerows(rows)
         print(f"rows appended to {args.out}")
 
 
