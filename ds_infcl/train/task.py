@@ -194,6 +194,7 @@ def register_task(name: str):
 _LAZY_TASKS = {
     "clip": "ds_infcl.adapters.clip_task:ClipTask",
     "bench_clip": "ds_infcl.train.bench_task:BenchClipTask",
+    "retrieval": "ds_infcl.adapters.retrieval_task:RetrievalTask",
 }
 
 

@@ -27,7 +27,7 @@ def _data(path):
 
 def _run(tmp, name, *, world, grad_cache):
     cfg = {
-        "task": {"name": "ds_infcl.adapters.retrieval_task:RetrievalTask",
+        "task": {"name": "retrieval",
                  "args": {"data": str(tmp / "train.jsonl"), "model_path": str(tmp / "tiny"), "num_negatives": 1,
                           "max_seq_length": 16}},
         "batch": {"global_batch_size": 12, "grad_cache": grad_cache, "chunk_size": 2 if grad_cache else None},
