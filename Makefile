@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup demo test bench-cpu clean
+.PHONY: setup demo demo-synthetic demo-retrieval demo-loss test bench-cpu clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,17 @@ $(STAMP): requirements-ci.txt setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q -r requirements-ci.txt -e .
 	touch $(STAMP)
 
+# The main job on its built-in default: CLIP on the scikit-learn digits, 2 CPU ranks, deepspeed launcher.
 demo: $(STAMP)
+	$(BIN)/python -m ds_infcl.train.demo --task digits
+
+demo-synthetic: $(STAMP)
+	$(BIN)/python -m ds_infcl.train.demo --task synthetic
+
+demo-retrieval: $(STAMP)
+	$(BIN)/python -m ds_infcl.train.retrieval_demo --out runs/retrieval_demo
+
+demo-loss: $(STAMP)
 	$(BIN)/python -m ds_infcl.demo
 
 test: $(STAMP)
@@ -29,4 +39,4 @@ bench-cpu: $(STAMP)
 	$(BIN)/python -m ds_infcl.bench.cpu_tiled --out docs/bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info runs data/digits

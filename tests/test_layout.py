@@ -17,7 +17,7 @@ FORBIDDEN = {
     "ring": ("ds_infcl.ops", "ds_infcl.loss", "ds_infcl.adapters", "ds_infcl.data", "ds_infcl.train",
              "transformers", "sentence_transformers"),
     "loss": ("ds_infcl.adapters", "ds_infcl.data", "ds_infcl.train", "deepspeed"),
-    "adapters": ("ds_infcl.train", "deepspeed", "ds_infcl.ops", "ds_infcl.ring"),
+    "adapters": ("ds_infcl.train", "ds_infcl.data", "deepspeed", "ds_infcl.ops", "ds_infcl.ring"),
     "data": ("ds_infcl.loss", "ds_infcl.train", "ds_infcl.ops", "ds_infcl.ring", "ds_infcl.adapters", "deepspeed"),
 }
 

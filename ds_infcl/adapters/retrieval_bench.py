@@ -131,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     device = torch.device(args.device)
     path = args.model_path
     if path is None:
-        from ds_infcl.adapters.retrieval_demo import default_model_path
+        from ds_infcl.adapters.retrieval import default_model_path
 
         path = default_model_path()
     model = load_sentence_transformer(path, device=str(device))

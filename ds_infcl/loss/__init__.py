@@ -5,6 +5,7 @@ from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_los
 from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
 from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
+from ds_infcl.ring.groups import resolve_group
 
 __all__ = [
     "ClipLoss",
@@ -20,4 +21,5 @@ __all__ = [
     "lse",
     "positive_logits",
     "register_loss_impl",
+    "resolve_group",
 ]

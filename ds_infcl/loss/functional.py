@@ -64,9 +64,10 @@ def lse(
             ``log g`` needs this).
         compute_col: also return the column LSE (the key-to-query direction).
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
-        group: process group of the data-parallel ranks (``None``: the default group if
-            torch.distributed is initialized, else a single process). With more than one rank the
-            key blocks travel around a ring.
+        group: process group of the data-parallel ranks. ``None``: DeepSpeed's data-parallel
+            group when DeepSpeed is initialized with a mesh or model parallelism, else the world
+            group if torch.distributed is initialized, else a single process (no communication).
+            With more than one rank the key blocks travel around a ring.
         tile_size: tile edge of the torch backend (default ``ds_infcl.ops.default_tile_size``).
         check_finite: raise on NaN/Inf features (costs one pass over the inputs).
 

@@ -1,7 +1,8 @@
 """Input checks shared by every loss path: a clear ``ValueError`` instead of a silent NaN or a hang.
 
 Everything here is local (no communication). The cross-rank check of dims, dtypes and sizes lives
-in ``ds_infcl.ring`` and runs once per shape.
+in ``ds_infcl.ring`` (a small metadata all-gather on every call, which also carries each rank's
+local check result so that a bad input on one rank raises on every rank instead of hanging).
 """
 
 from __future__ import annotations

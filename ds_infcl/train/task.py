@@ -192,9 +192,9 @@ def register_task(name: str):
 
 # Tasks that live in other packages, imported on first use: name -> "module:attribute".
 _LAZY_TASKS = {
-    "clip": "ds_infcl.adapters.clip_task:ClipTask",
+    "clip": "ds_infcl.train.clip_task:ClipTask",
     "bench_clip": "ds_infcl.train.bench_task:BenchClipTask",
-    "retrieval": "ds_infcl.adapters.retrieval_task:RetrievalTask",
+    "retrieval": "ds_infcl.train.retrieval_task:RetrievalTask",
 }
 
 

@@ -197,3 +197,25 @@ def test_mean_vision_pooling(tokenizer):
         model.to_hf_clip()
     with pytest.raises(ValueError, match="vision_pooling must be one of"):
         ClipModel.from_architecture("tiny", tokenizer, vision_pooling="max")
+
+
+def test_uint8_pixels_are_normalized_like_the_float_transform(tokenizer):
+    # uint8 batches (the data pipeline's default) must give the features of the float32 transform.
+    from PIL import Image
+
+    from ds_infcl.data import ImageTransform
+
+    model = ClipModel.from_architecture("tiny", tokenizer, image_mean=(0.5, 0.4, 0.3), image_std=(0.2, 0.25, 0.3)).eval()
+    rng = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (3, 40, 48, 3), dtype=torch.uint8, generator=rng).numpy()
+    images = [Image.fromarray(p) for p in pixels]
+    as_float = ImageTransform(model.image_size, model.image_mean, model.image_std)
+    as_uint8 = ImageTransform(model.image_size, model.image_mean, model.image_std, output="uint8")
+    x_float = torch.stack([as_float(im) for im in images])
+    x_uint8 = torch.stack([as_uint8(im) for im in images])
+    assert x_uint8.dtype == torch.uint8 and x_float.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(x_uint8), model.encode_image(x_float), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(model.encode_image(x_float), model.encode_image(x_float.mul(1.5)), atol=1e-3)
+    with pytest.raises(ValueError, match="output must be"):
+        ImageTransform(32, output="int8")

@@ -12,7 +12,8 @@ from tests.adapters.test_retrieval_common import make_tiny_model_dir
 def test_demo_pipeline_on_tiny_model(tmp_path):
     pytest.importorskip("chatterbot_corpus")
     pytest.importorskip("yaml")
-    from ds_infcl.adapters.retrieval_demo import positive_id_matrix, run_demo
+    from ds_infcl.adapters.retrieval import positive_id_matrix
+    from ds_infcl.train.retrieval_demo import run_demo
 
     out = str(tmp_path / "demo")
     result = run_demo(out, model_path=make_tiny_model_dir(str(tmp_path / "tiny")), steps=1, chunk_size=256,

