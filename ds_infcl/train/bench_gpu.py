@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--impls", nargs="+", default=["local", "infcl"])
     p.add_argument("--arch", default="vit-b-16", help="vit-b-16 or tiny (CPU smoke test)")
     p.add_argument("--chunk-size", type=int, default=256, help="GradCache chunk per GPU")
-    p.add_argument("--throughput-batch", type=int, default=16384)
+    p.add_argument("--throughput-batch", type=int, default=16384, help="0 skips the throughput phase")
     p.add_argument("--steps", type=int, default=4, help="throughput steps (the first is warm-up)")
     p.add_argument("--search-start", type=int, default=32768)
     p.add_argument("--search-max", type=int, default=1 << 20)
@@ -140,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = _gpu_info()
 
     rows = []
-    for impl in args.impls:
+    for impl in args.impls if args.throughput_batch > 0 else ():
         rows.append(dict(_run_case(args, impl, args.throughput_batch, args.steps, f"{impl}_tp_{args.throughput_batch}"), phase="throughput"))
     largest: Dict[str, str] = {}
     if not args.no_search:
