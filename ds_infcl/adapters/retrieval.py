@@ -108,6 +108,12 @@ def feature_ids(features: Dict[str, torch.Tensor]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _tokenize(model, texts: List[str]) -> Dict[str, torch.Tensor]:
+    """``model.preprocess`` (sentence-transformers >= 6), else the older ``model.tokenize``."""
+    preprocess = getattr(model, "preprocess", None)
+    return preprocess(texts) if preprocess is not None else model.tokenize(texts)
+
+
 def _resolve_group(group):
     """``(group, world, rank)``; ``None`` means the loss's default group (DeepSpeed's data-parallel
     group under DeepSpeed, else the world) when torch.distributed is up."""
@@ -622,10 +628,10 @@ class RetrievalEncoders(nn.Module):
         return self.document_model if self.separate else self.query_model
 
     def tokenize_queries(self, texts: Sequence[str]) -> Dict[str, torch.Tensor]:
-        return self.query_model.tokenize([self.query_prefix + t for t in texts])
+        return _tokenize(self.query_model, [self.query_prefix + t for t in texts])
 
     def tokenize_documents(self, texts: Sequence[str]) -> Dict[str, torch.Tensor]:
-        return self.doc_model.tokenize([self.document_prefix + t for t in texts])
+        return _tokenize(self.doc_model, [self.document_prefix + t for t in texts])
 
     def encode_query(self, features: Dict[str, torch.Tensor]) -> torch.Tensor:
         return encode_chunked(self.query_model, features, self.chunk_size)
@@ -650,7 +656,7 @@ class RetrievalEncoders(nn.Module):
         order = sorted(range(n), key=lambda i: len(texts[i]))
         outs = []
         for start in range(0, n, chunk):
-            features = model.tokenize([prefix + texts[i] for i in order[start : start + chunk]])
+            features = _tokenize(model, [prefix + texts[i] for i in order[start : start + chunk]])
             features = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in features.items()}
             outs.append(encode_chunked(model, features, chunk, force_checkpoint=n > chunk))
         emb = torch.cat(outs)
