@@ -86,8 +86,8 @@ def _print_digits(s: dict) -> None:
     ev = s.get("eval", {})
     n = int(ev.get("num_images", 0))
     print("\n=== ds_infcl demo: CLIP on the scikit-learn digits, Inf-CL loss, DeepSpeed ZeRO-2 ===")
-    print(f"ranks {s['world_size']}, global batch {s['global_batch_size']}, steps {s['steps']}, "
-          f"loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f}" if s["losses"] else "no steps run")
+    loss = f", loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f}" if s["losses"] else ""
+    print(f"ranks {s['world_size']}, global batch {s['global_batch_size']}, steps {s['steps']}{loss}")
     if "zero_shot_top1" in ev:
         print(f"held-out zero-shot accuracy: top-1 {100 * ev['zero_shot_top1']:.1f}%, "
               f"top-5 {100 * ev['zero_shot_top5']:.1f}% ({n} digits, 10 classes, chance 10%)")
@@ -109,6 +109,17 @@ def _print_synthetic(s: dict) -> None:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; logit scale {s['final_logit_scale']:.3f}")
     for k, v in sorted(s.get("eval", {}).items()):
         print(f"{k} {v:.4f} (held-out pairs, chance {1 / 256:.4f})")
+
+
+def _last_eval(path: str) -> dict:
+    """The last row of an ``eval.csv`` as floats ({} if there is none)."""
+    import csv
+
+    if not os.path.exists(path):
+        return {}
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {k: float(v) for k, v in rows[-1].items() if k != "step" and v not in ("", None)} if rows else {}
 
 
 def main(argv=None) -> int:
@@ -177,8 +188,13 @@ def main(argv=None) -> int:
         return rc
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
+    trained = bool(s["losses"])
+    if not trained:  # --resume of a finished run: show its last evaluation
+        print(f"[demo] nothing to train: the run in {out} had reached step {s['steps']}; its last evaluation:")
+        s["eval"] = _last_eval(os.path.join(out, "eval.csv")) or s.get("eval", {})
     (_print_digits if args.task == "digits" else _print_synthetic)(s)
-    print(f"{s['samples_per_s']:.0f} samples/s, peak memory {s['peak_mem_mib']:.0f} MiB per rank, wall {wall:.1f} s")
+    if trained:
+        print(f"{s['samples_per_s']:.0f} samples/s, peak memory {s['peak_mem_mib']:.0f} MiB per rank, wall {wall:.1f} s")
     print(f"metrics: {out}/metrics.csv, eval: {out}/eval.csv, checkpoint: {out}/checkpoints")
     return 0
 

@@ -1,0 +1,32 @@
+"""The demo's run configs pass the trainer's validation and the cross-check with their DeepSpeed
+JSON for 2 ranks (the demo itself runs in the README's `make demo`, not in the suite)."""
+
+import json
+import os
+
+import pytest
+
+from ds_infcl.train.cli import main as train_main
+from ds_infcl.train.demo import TASKS, demo_run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_demo_configs_validate(task, tmp_path, capsys):
+    d = TASKS[task]
+    cfg = demo_run_config(str(tmp_path / "out"), d["steps"], d["global_batch_size"], d["chunk_size"], "infcl",
+                          task, str(tmp_path / "digits"), d["eval_every"])
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", d["ds_config"]), "--config", str(path),
+            "--check", "--world-size", "2"]
+    for kv in d["ds_set"]:
+        argv += ["--ds-set", kv]
+    assert train_main(argv) == 0
+    assert "global batch 256" in capsys.readouterr().out
+
+
+def test_unknown_demo_task():
+    with pytest.raises(ValueError, match="unknown demo task 'nope'"):
+        demo_run_config("out", 1, 2, None, "infcl", "nope")
