@@ -102,3 +102,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             flush=True,
         )
     return 0
+
+
+def run() -> None:
+    """Process entry point (``python -m ds_infcl.train``, the ``ds-infcl-train`` script): ``main``,
+    then leave without interpreter finalization (see ``ds_infcl.train.dist.exit_process``)."""
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())

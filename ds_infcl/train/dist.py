@@ -93,6 +93,28 @@ def local_device() -> torch.device:
     return torch.device(acc.device_name(local_rank))
 
 
+def exit_process(code: int) -> None:
+    """Leave the process now with ``code``, after flushing logging and stdio, without interpreter
+    finalization.
+
+    For process entry points only (``python -m ds_infcl.train``, ``ds-infcl-train``), after
+    :func:`shutdown`. On 2-rank CPU runs a rank has still aborted now and then at interpreter exit
+    ("terminate called without an active exception", exit code -6, after its last checkpoint was
+    written), so a finished run reported failure: gloo's worker threads can still own
+    communication work objects (ZeRO-3 keeps async handles in its parameters) when Python's
+    finalization destroys them. Everything a run writes is closed before this point.
+    """
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def shutdown() -> None:
     """Barrier, then destroy the process group: leaving it to interpreter exit has aborted a rank
     now and then ("terminate called without an active exception" from a live gloo thread)."""

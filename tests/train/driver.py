@@ -68,9 +68,10 @@ def main(path):
         cfg = load_run_config(job.get("config"), list(job.get("set", [])) + [f"output_dir={d}"])
         ds = _load_ds_config(job["ds_config"], job.get("ds_set", []))
         train(cfg, ds, resume=job.get("resume"), save_params=os.path.join(d, "params.pt"))
-    from ds_infcl.train.dist import shutdown
+    from ds_infcl.train.dist import exit_process, shutdown
 
     shutdown()
+    exit_process(0)
 
 
 if __name__ == "__main__":
