@@ -51,6 +51,10 @@ def _rank_main(stage: int, out_dir: str) -> None:
     loss = InfCLMultipleNegativesRankingLoss(model, mini_batch_size=4)
     result = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
     print(f"\nRESULT rank{rank} loss {result.training_loss:.6f}", flush=True)
+    from ds_infcl.train.dist import exit_process, shutdown
+
+    shutdown()  # as the trainer's entry points: no gloo teardown at interpreter exit
+    exit_process(0)
 
 
 def test_st_trainer_deepspeed_zero2(tmp_path):
