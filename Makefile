@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup demo demo-synthetic demo-retrieval demo-loss test bench-cpu clean
+.PHONY: setup demo demo-synthetic demo-retrieval demo-loss test test-gpu bench-cpu clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ demo-loss: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# On a CUDA machine, in an environment that has torch, triton and DeepSpeed (no .venv): the Triton
+# kernels against float64 (1 GPU) and the ring on NCCL (2+ GPUs).
+test-gpu:
+	TRITON_INTERPRET=0 $(PYTHON) -m pytest -q -s tests/gpu
 
 bench-cpu: $(STAMP)
 	$(BIN)/python -m ds_infcl.bench.cpu_tiled --out docs/bench
