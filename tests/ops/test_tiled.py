@@ -14,34 +14,11 @@ import torch
 
 from ds_infcl.ops import contrastive_loss_reference, lse_reference, tiled_lse
 from ds_infcl.loss import contrastive_loss
+from tests.ops.accuracy import FP32_RTOL, error_bound, features, rel_err
 
-FP32_RTOL = 1e-5
 
 # (b, m, c): b = 1; b and m not multiples of the tile (16 below); b != m; c in {3, 72, 384}.
 SHAPES = [(1, 1, 3), (1, 7, 72), (7, 1, 3), (37, 53, 72), (53, 37, 384), (64, 64, 3), (100, 130, 384)]
-
-
-def _features(b, m, c, *, normalize=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, c, generator=g, dtype=torch.float64)
-    k = torch.randn(m, c, generator=g, dtype=torch.float64)
-    if normalize:
-        q = torch.nn.functional.normalize(q, dim=-1)
-        k = torch.nn.functional.normalize(k, dim=-1)
-    return q, k
-
-
-def _rel(x, ref):
-    """Relative error in norm; a reference that is exactly zero (m = 1: every probability is 1)
-    is compared on an absolute floor of 1e-6 per element instead."""
-    floor = 1e-6 * ref.numel() ** 0.5 / FP32_RTOL
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(floor)).item()
-
-
-def _bound(dtype, plain_err):
-    if dtype == torch.float32:
-        return max(FP32_RTOL, 2 * plain_err)
-    return 2 * plain_err + 1e-4
 
 
 def _run_loss(fn, q, k, scale, dtype, upstream):
@@ -78,8 +55,8 @@ def _check_against_reference(q, k, scale, labels, symmetric, dtype, upstream=1.0
         q_in, k_in, scale, dtype, upstream,
     )
     for name, x, p, r in zip(["loss", "dquery", "dkey", "dscale"], got, plain, ref):
-        bound = _bound(dtype, _rel(p, r))
-        assert _rel(x, r) <= bound, f"{name}: rel err {_rel(x, r):.2e} > {bound:.2e} (plain {_rel(p, r):.2e})"
+        bound = error_bound(dtype, rel_err(p, r))
+        assert rel_err(x, r) <= bound, f"{name}: rel err {rel_err(x, r):.2e} > {bound:.2e} (plain {rel_err(p, r):.2e})"
 
 
 @pytest.mark.parametrize("b,m,c", SHAPES)
@@ -88,7 +65,7 @@ def _check_against_reference(q, k, scale, labels, symmetric, dtype, upstream=1.0
 def test_loss_fp32_matches_fp64_reference(b, m, c, symmetric, label_kind):
     if label_kind == "diagonal" and m < b:
         pytest.skip("diagonal labels need m >= b")
-    q, k = _features(b, m, c)
+    q, k = features(b, m, c)
     _check_against_reference(q, k, 14.3, _labels(b, m, label_kind), symmetric, torch.float32)
 
 
@@ -96,19 +73,19 @@ def test_loss_fp32_matches_fp64_reference(b, m, c, symmetric, label_kind):
 @pytest.mark.parametrize("b,m,c", [(1, 7, 72), (37, 53, 72), (100, 130, 384)])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_loss_half_within_twice_plain_torch_error(dtype, b, m, c, symmetric):
-    q, k = _features(b, m, c, seed=3)
+    q, k = features(b, m, c, seed=3)
     _check_against_reference(q, k, 14.3, _labels(b, m, "random"), symmetric, dtype)
 
 
 @pytest.mark.parametrize("c", [3, 72, 384])
 def test_scale_100_unnormalized_features(c):
     # Logits reach the thousands: the LSE must stay finite and exact where exp overflows.
-    q, k = _features(60, 45, c, normalize=False, seed=4)
+    q, k = features(60, 45, c, normalize=False, seed=4)
     _check_against_reference(q, k, 100.0, _labels(60, 45, "random"), True, torch.float32, upstream=0.37)
 
 
 def test_upstream_gradient_other_than_one():
-    q, k = _features(33, 40, 72, seed=5)
+    q, k = features(33, 40, 72, seed=5)
     _check_against_reference(q, k, 10.0, None, True, torch.float32, upstream=-2.5)
 
 
@@ -116,7 +93,7 @@ def test_upstream_gradient_other_than_one():
 @pytest.mark.parametrize("b,m", [(1, 1), (1, 5), (5, 1), (37, 53), (70, 33)])
 def test_lse_vectors_and_arbitrary_upstream_weights(b, m, exclude_positive):
     """The op itself: both LSE vectors, and per-row / per-column upstream weights."""
-    q, k = _features(b, m, 72, normalize=False, seed=6)
+    q, k = features(b, m, 72, normalize=False, seed=6)
     labels = _labels(b, m, "random")
     g = torch.Generator().manual_seed(7)
     w_row, w_col = torch.randn(b, generator=g, dtype=torch.float64), torch.randn(m, generator=g, dtype=torch.float64)
@@ -146,29 +123,29 @@ def test_lse_vectors_and_arbitrary_upstream_weights(b, m, exclude_positive):
     assert torch.equal(torch.isinf(row_t), torch.isinf(row_r)) and torch.equal(torch.isinf(col_t), torch.isinf(col_r))
     fin_r, fin_c = torch.isfinite(row_r), torch.isfinite(col_r)
     if fin_r.any():
-        assert _rel(row_t[fin_r], row_r[fin_r]) <= FP32_RTOL
+        assert rel_err(row_t[fin_r], row_r[fin_r]) <= FP32_RTOL
     if fin_c.any():
-        assert _rel(col_t[fin_c], col_r[fin_c]) <= FP32_RTOL
+        assert rel_err(col_t[fin_c], col_r[fin_c]) <= FP32_RTOL
     objective(row_t, col_t).backward()
     for x, p, r in ((qt.grad, qp.grad, qr.grad), (kt.grad, kp.grad, kr.grad), (st.grad, sp.grad, sr.grad)):
         assert torch.isfinite(x).all()
-        assert _rel(x, r) <= _bound(torch.float32, _rel(p, r)), (_rel(x, r), _rel(p, r))
+        assert rel_err(x, r) <= error_bound(torch.float32, rel_err(p, r)), (rel_err(x, r), rel_err(p, r))
 
 
 def test_row_only_op_skips_column_and_float_scale_gets_no_grad():
-    q, k = _features(9, 11, 3)
+    q, k = features(9, 11, 3)
     qt = q.float().requires_grad_()
     row, col = tiled_lse(qt, k.float(), 2.0, compute_col=False, backend="torch", tile_size=4)
     assert col is None
     row.sum().backward()
     row_r, _ = lse_reference(q, k, 2.0)
-    assert _rel(row, row_r) <= FP32_RTOL
+    assert rel_err(row, row_r) <= FP32_RTOL
     assert qt.grad is not None and torch.isfinite(qt.grad).all()
 
 
 @pytest.mark.parametrize("tile", [1, 3, 16, 4096])
 def test_tile_size_does_not_change_the_result(tile):
-    q, k = _features(20, 17, 8)
+    q, k = features(20, 17, 8)
     base = contrastive_loss(q.float(), k.float(), 5.0, _labels(20, 17, "random"), symmetric=True, tile_size=2048)
     other = contrastive_loss(q.float(), k.float(), 5.0, _labels(20, 17, "random"), symmetric=True, tile_size=tile)
     assert abs(base.item() - other.item()) <= 1e-5 * abs(base.item())

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from ds_infcl.ops import lse_reference, tiled_lse
+from tests.ops.accuracy import FP32_RTOL, error_bound, features, rel_err
 
 triton_lse = pytest.importorskip("ds_infcl.ops.triton_lse")
 
 if os.environ.get("TRITON_INTERPRET", "0") != "1":  # pragma: no cover - set by tests/conftest.py
     pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
-FP32_RTOL = 1e-5
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -34,30 +34,8 @@ def _small_blocks(monkeypatch):
     monkeypatch.setattr(triton_lse, "CHUNK_COLS", 48)
 
 
-def _features(b, m, c, *, normalize=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, c, generator=g, dtype=torch.float64)
-    k = torch.randn(m, c, generator=g, dtype=torch.float64)
-    if normalize:
-        q = torch.nn.functional.normalize(q, dim=-1)
-        k = torch.nn.functional.normalize(k, dim=-1)
-    return q, k
-
-
 def _labels(b, m, seed=1):
     return torch.randint(0, m, (b,), generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(x, ref):
-    x, ref = x.double(), ref.double()
-    floor = 1e-6 * ref.numel() ** 0.5 / FP32_RTOL  # reference exactly 0 (e.g. m = 1)
-    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
-
-
-def _bound(dtype, plain_err):
-    if dtype == torch.float32:
-        return max(FP32_RTOL, 2 * plain_err)
-    return 2 * plain_err + 1e-4
 
 
 def _finite(v):
@@ -83,7 +61,7 @@ def _op_and_grads(q, k, scale, w_row, w_col, *, labels, exclude_positive, upcast
 
 def _check(b, m, c, dtype, *, scale=14.3, labels=None, exclude_positive=False, normalize=True,
            w_row=True, w_col=True, seed=0, external_stats=False):
-    q, k = _features(b, m, c, normalize=normalize, seed=seed)
+    q, k = features(b, m, c, normalize=normalize, seed=seed)
     q, k = q.to(dtype), k.to(dtype)  # the reference sees exactly the tested inputs
     g = torch.Generator().manual_seed(seed + 10)
     wr = torch.randn(b, generator=g, dtype=torch.float64) * 0.7 if w_row else None
@@ -98,7 +76,7 @@ def _check(b, m, c, dtype, *, scale=14.3, labels=None, exclude_positive=False, n
         assert torch.equal(torch.isinf(got), torch.isinf(r)), name
         fin = torch.isfinite(r)
         if fin.any():
-            err, bound = _rel(got[fin], r[fin]), _bound(dtype, _rel(p[fin], r[fin]))
+            err, bound = rel_err(got[fin], r[fin]), error_bound(dtype, rel_err(p[fin], r[fin]))
             assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e}"
 
     # The backward takes the statistics of the forward (as the autograd Function does) or, as
@@ -112,8 +90,8 @@ def _check(b, m, c, dtype, *, scale=14.3, labels=None, exclude_positive=False, n
     for name, got, p, r in (("dquery", dq, plain[2], ref[2]), ("dkey", dk, plain[3], ref[3]),
                             ("dscale", ds, plain[4], ref[4])):
         assert torch.isfinite(got).all(), name
-        err, bound = _rel(got, r), _bound(dtype, _rel(p, r))
-        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (plain {_rel(p, r):.2e})"
+        err, bound = rel_err(got, r), error_bound(dtype, rel_err(p, r))
+        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (plain {rel_err(p, r):.2e})"
 
 
 # (b, m, c): b = 1; sizes off the 32-tile; b != m both ways; c = 3 and 72 (not multiples of BK).
@@ -154,7 +132,7 @@ def test_scale_100_unnormalized(dtype):
 
 def test_all_excluded_row_and_column_give_zero_probability():
     # b = m = 1 with the positive excluded: both LSEs are -inf and every gradient is 0, not NaN.
-    q, k = _features(1, 1, 72)
+    q, k = features(1, 1, 72)
     row, col = triton_lse.lse_forward_triton(q.float(), k.float(), 5.0, exclude_positive=True)
     assert torch.isneginf(row).all() and torch.isneginf(col).all()
     dq, dk, ds = triton_lse.lse_backward_triton(
@@ -164,10 +142,10 @@ def test_all_excluded_row_and_column_give_zero_probability():
 
 
 def test_row_only_forward_and_no_upstream_backward():
-    q, k = _features(37, 53, 72)
+    q, k = features(37, 53, 72)
     row, col = triton_lse.lse_forward_triton(q.float(), k.float(), 2.0, compute_col=False)
     assert col is None
-    assert _rel(row, lse_reference(q, k, 2.0)[0]) <= FP32_RTOL
+    assert rel_err(row, lse_reference(q, k, 2.0)[0]) <= FP32_RTOL
     dq, dk, ds = triton_lse.lse_backward_triton(q.float(), k.float(), 2.0, row, None, None, None)
     assert not dq.any() and not dk.any() and ds.item() == 0.0
 
@@ -175,18 +153,18 @@ def test_row_only_forward_and_no_upstream_backward():
 @pytest.mark.parametrize("programs_per_sm", [1, 16])
 def test_forward_grid_does_not_change_the_result(monkeypatch, programs_per_sm):
     # Other numbers of query groups x key splits merge to the same statistics.
-    q, k = _features(70, 100, 3, normalize=False, seed=5)
+    q, k = features(70, 100, 3, normalize=False, seed=5)
     base = triton_lse.lse_forward_triton(q.float(), k.float(), 4.0)
     monkeypatch.setattr(triton_lse, "PROGRAMS_PER_SM", programs_per_sm)
     other = triton_lse.lse_forward_triton(q.float(), k.float(), 4.0)
     ref = lse_reference(q, k, 4.0)
     for got, want, r in zip(other, base, ref):
-        assert _rel(got, r) <= FP32_RTOL and _rel(got, want) <= FP32_RTOL
+        assert rel_err(got, r) <= FP32_RTOL and rel_err(got, want) <= FP32_RTOL
 
 
 def test_autograd_function_with_triton_backend():
     # The differentiable op (ds_infcl.ops.tiled_lse) on backend="triton", upstream grads != 1.
-    q, k = _features(37, 53, 72, seed=6)
+    q, k = features(37, 53, 72, seed=6)
     labels = _labels(37, 53)
     ref = _op_and_grads(q, k, 7.0, torch.full((37,), -2.5, dtype=torch.float64),
                         torch.full((53,), 0.4, dtype=torch.float64), labels=labels,
@@ -196,7 +174,7 @@ def test_autograd_function_with_triton_backend():
     row, col = tiled_lse(qt, kt, st, labels=labels, exclude_positive=True, backend="triton")
     ((row * -2.5).sum() + (col * 0.4).sum()).backward()
     for got, want in ((row, ref[0]), (col, ref[1]), (qt.grad, ref[2]), (kt.grad, ref[3]), (st.grad, ref[4])):
-        assert _rel(got, want) <= FP32_RTOL
+        assert rel_err(got, want) <= FP32_RTOL
 
 
 def test_tf32_flag_is_off_by_default(monkeypatch):
