@@ -3,64 +3,17 @@ single-process reference on the gathered batch: the loss on every rank, and the 
 after the data-parallel mean (DESIGN.md 3.1), with unequal sizes, hard negatives and
 false-negative pairs that cross ranks."""
 
-import datetime
-import os
-import socket
-import tempfile
-import time
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.adapters.test_retrieval import masked_reference
 from tests.adapters.test_retrieval_common import make_tiny_model_dir, random_texts
+from tests.ring.ring_harness import spawn
 
 pytestmark = pytest.mark.slow
 
 SIZES = {2: [3, 5], 3: [4, 1, 3]}  # queries per rank
 NUM_NEG = 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, out_dir, payload):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=90))
-        result = _worker(rank, world, payload)
-    except BaseException:
-        result = {"__error__": traceback.format_exc()}
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _spawn(world, payload, timeout=240.0):
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), out_dir, payload), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{world}-rank group did not finish within {timeout} s")
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if "__error__" in res:
-            raise RuntimeError(f"rank {r} failed:\n{res['__error__']}")
-    return results
 
 
 def _feature_case(world):
@@ -127,7 +80,8 @@ def test_distributed_equals_single_process(world, tiny_dir):
     global_cols = [texts[i * B : (i + 1) * B] for i in range(2 + NUM_NEG)]
     offs = [sum(sizes[:r]) for r in range(world)]
     columns = [[col[o : o + s] for o, s in zip(offs, sizes)] for col in global_cols]
-    results = _spawn(world, {"features": case, "model_dir": tiny_dir, "columns": columns})
+    results = spawn(_worker, world, {"features": case, "model_dir": tiny_dir, "columns": columns},
+                    timeout=240.0, pg_timeout=90.0)
 
     # 1. masked feature-level loss: every rank returns the global loss; rank gradients are W times
     #    the gradient of the global loss (the data-parallel mean divides by W)

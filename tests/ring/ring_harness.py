@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, out_dir, fn, payload):
+def _entry(rank, world, port, out_dir, fn, payload, pg_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -34,7 +34,7 @@ def _entry(rank, world, port, out_dir, fn, payload):
     try:
         if world > 0:
             dist.init_process_group(
-                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
             )
         result = fn(rank, world, payload)
     except BaseException:  # reported to the parent, which fails the test with the traceback
@@ -45,17 +45,18 @@ def _entry(rank, world, port, out_dir, fn, payload):
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0) -> List:
+def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0, pg_timeout: float = 60.0) -> List:
     """Run ``fn(rank, world, payload)`` on ``world`` gloo ranks; list of per-rank results.
 
-    ``fn`` must be importable (a module-level function). Raises ``TimeoutError`` if the group
-    does not finish within ``timeout`` seconds, ``RuntimeError`` with a worker's traceback if one
+    ``fn`` must be importable (a module-level function). ``pg_timeout`` is the gloo group's
+    collective timeout. Raises ``TimeoutError`` if the group does not finish within ``timeout``
+    seconds, ``RuntimeError`` with a worker's traceback if one
     failed.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world, free_port(), out_dir, fn, payload), nprocs=world, join=False,
+            _entry, args=(world, free_port(), out_dir, fn, payload, pg_timeout), nprocs=world, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
