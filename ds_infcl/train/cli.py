@@ -12,13 +12,12 @@ Without a launcher it runs as a single rank. ``--check`` validates both configs 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
 from typing import List, Optional
 
-from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, resolve_deepspeed_config
+from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, read_json_file, resolve_deepspeed_config
 
 __all__ = ["build_parser", "main"]
 
@@ -48,14 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_ds_config(path: str, overrides: List[str]) -> dict:
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--deepspeed_config: file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed_config: {path} is not valid JSON: {e}") from None
-    return apply_overrides(cfg, overrides, what="--ds-set", delete_on_null=True)
+    return apply_overrides(read_json_file(path, "--deepspeed_config"), overrides, what="--ds-set", delete_on_null=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

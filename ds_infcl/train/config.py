@@ -383,17 +383,21 @@ def apply_overrides(
     return out
 
 
+def read_json_file(path: str, flag: str) -> Dict[str, Any]:
+    """The JSON object in ``path``; a ``ConfigError`` naming the command-line ``flag`` if the file
+    is missing or not valid JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: {path} is not valid JSON: {e}") from None
+
+
 def load_run_config(path: Optional[str], overrides: Optional[List[str]] = None) -> RunConfig:
     """Read, override and validate a run config JSON file (``path`` may be ``None``: overrides only)."""
-    raw: Dict[str, Any] = {}
-    if path:
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"--config: file not found: {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--config: {path} is not valid JSON: {e}") from None
+    raw: Dict[str, Any] = read_json_file(path, "--config") if path else {}
     return run_config_from_dict(apply_overrides(raw, overrides or []))
 
 
