@@ -9,8 +9,9 @@ Modes: ``forward`` (the loss value, with autograd recording), ``backward`` (``lo
 alone), ``total`` (both, one timed region). Times are medians of CUDA-event timings (with 20/80
 percentiles); TFLOP/s counts ``8 b m c`` for total, ``2 b m c`` for forward, ``6 b m c`` for
 backward; ``pct_matmul`` compares with the bf16 matmul rate (8192^3 ``torch.mm``) measured at the
-start of the same run. ``extra_gib`` is the peak CUDA memory of one ``total`` step beyond the
-inputs and their (preallocated) gradients.
+start of the same run. Each step starts with the gradients set to ``None`` (``zero_grad``'s
+default), so the gradients it returns become ``.grad``; ``extra_gib`` is the peak CUDA memory of
+one ``total`` step beyond the inputs and those gradients.
 
     python -m ds_infcl.bench.loss --out docs/bench                       # the full grid
     python -m ds_infcl.bench.loss --providers triton --batch 65536 --dim 512 --modes total
@@ -99,25 +100,30 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
     q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype).requires_grad_()
     k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).to(dtype).requires_grad_()
     scale = torch.tensor(14.3, device="cuda", requires_grad=True)
-    q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
     fn = _loss_fn(provider)
     ideal_total = 8 * b * b * c / (mm_rate * 1e12) * 1e3
     # Repetitions: enough for a median, bounded in time (ideal x 4 as a time guess).
     reps = int(max(3, min(args.reps, args.seconds_per_point * 1e3 / max(ideal_total * 4, 1e-3))))
     warmup = 1 if ideal_total > 100 else 3
 
+    def zero_grad():
+        q.grad = k.grad = scale.grad = None
+
     def total():
+        zero_grad()
         fn(q, k, scale).backward()
 
     rows = []
-    # Memory: one total step from a clean peak.
+    # Memory: one total step from a clean peak, beyond the inputs and the gradients it returns.
     total()
+    zero_grad()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     total()
     torch.cuda.synchronize()
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (q, k, scale))
+    extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
     results = {}
     if "total" in modes:
         results["total"] = _time(total, reps, warmup)
@@ -126,6 +132,7 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
     if "backward" in modes:
         times = []
         for i in range(reps + warmup):
+            zero_grad()
             loss = fn(q, k, scale)
             torch.cuda.synchronize()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

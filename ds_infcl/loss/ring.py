@@ -148,15 +148,14 @@ class RingLSEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
                 layout, group):
-        s = float(scale)
+        s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
         row, col = _ring_forward(
             query, key, s, labels, exclude_positive, compute_col, backend, tile_size, layout, group
         )
         if col is None:
             col = row.new_empty((0,))
-        ctx.save_for_backward(query, key, labels, row, col)
-        ctx.scale = s
+        ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
         ctx.options = (exclude_positive, compute_col, backend, tile_size, layout, group)
         ctx.set_materialize_grads(False)
@@ -166,10 +165,10 @@ class RingLSEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_row, grad_col):
-        query, key, labels, row, col = ctx.saved_tensors
+        query, key, labels, row, col, s = ctx.saved_tensors
         exclude_positive, compute_col, backend, tile_size, layout, group = ctx.options
         dq, dk, ds = _ring_backward(
-            query, key, ctx.scale, labels, exclude_positive, compute_col, backend, tile_size,
+            query, key, s, labels, exclude_positive, compute_col, backend, tile_size,
             layout, group, row, col if compute_col else None, grad_row,
             grad_col if compute_col else None,
         )

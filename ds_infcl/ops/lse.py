@@ -15,13 +15,21 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ds_infcl.ops.tiled import default_tile_size, lse_backward_torch, lse_forward_torch
+from ds_infcl.ops.tiled import (
+    default_tile_size,
+    lse_backward_torch,
+    lse_forward_torch,
+    positive_logits_torch,
+)
+
+Scale = Union[float, torch.Tensor]
 
 __all__ = [
     "BACKENDS",
     "resolve_backend",
     "lse_forward",
     "lse_backward",
+    "positive_logits_forward",
     "TiledLSEFunction",
     "tiled_lse",
 ]
@@ -61,7 +69,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def lse_forward(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Scale,
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
@@ -71,8 +79,10 @@ def lse_forward(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Float32 ``(row_lse [b], col_lse [m] or None)`` of ``scale * query @ key.T`` on one block.
 
-    ``backend`` must already be resolved (``resolve_backend``). ``tile_size`` applies to the
-    torch backend (default ``default_tile_size``); the Triton backend picks its own tiles.
+    ``scale`` is a number or a one-element tensor (a device tensor is read on the device, never
+    synchronized). ``backend`` must already be resolved (``resolve_backend``). ``tile_size``
+    applies to the torch backend (default ``default_tile_size``); the Triton backend picks its own
+    tiles.
     """
     if backend == "triton":
         from ds_infcl.ops.triton_lse import lse_forward_triton
@@ -90,7 +100,7 @@ def lse_forward(
 def lse_backward(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Scale,
     row_lse: torch.Tensor,
     col_lse: Optional[torch.Tensor],
     grad_row: Optional[torch.Tensor],
@@ -98,22 +108,47 @@ def lse_backward(
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
+    grad_pos: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
     backend: str = "torch",
     tile_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float32 ``(dq, dk, dscale)`` of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)``."""
+    """``(dq, dk, dscale)`` of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)
+    + sum(grad_pos * pos)`` (``pos_i = scale * q_i . k_{labels_i}``, default the diagonal).
+
+    ``dq`` / ``dk`` are float32 (what the ring accumulates), or ``out_dtype`` when given (the
+    single-device loss writes its gradients in the inputs' dtype, with bounded float32 scratch).
+    """
     if backend == "triton":
         from ds_infcl.ops.triton_lse import lse_backward_triton
 
         return lse_backward_triton(
             query, key, scale, row_lse, col_lse, grad_row, grad_col,
-            labels=labels, exclude_positive=exclude_positive,
+            labels=labels, exclude_positive=exclude_positive, grad_pos=grad_pos, out_dtype=out_dtype,
         )
     tile = tile_size or default_tile_size(query.device)
     return lse_backward_torch(
         query, key, scale, row_lse, col_lse, grad_row, grad_col,
-        labels=labels, exclude_positive=exclude_positive, tile_b=tile, tile_m=tile,
+        labels=labels, exclude_positive=exclude_positive, grad_pos=grad_pos, out_dtype=out_dtype,
+        tile_b=tile, tile_m=tile,
     )
+
+
+def positive_logits_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scale,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "torch",
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """``[b]`` float32 ``scale * q_i . k_{labels_i}`` (default the diagonal), no autograd."""
+    if backend == "triton":
+        from ds_infcl.ops.triton_lse import positive_logits_triton
+
+        return positive_logits_triton(query, key, scale, labels)
+    return positive_logits_torch(query, key, scale, labels, tile_b=tile_size or default_tile_size(query.device))
 
 
 class TiledLSEFunction(torch.autograd.Function):
@@ -125,15 +160,14 @@ class TiledLSEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size):
-        s = float(scale)
+        s = scale.detach()  # read by the kernels on the device: no host sync
         row, col = lse_forward(
             query, key, s, labels=labels, exclude_positive=exclude_positive,
             compute_col=compute_col, backend=backend, tile_size=tile_size,
         )
         if col is None:
             col = row.new_empty((0,))
-        ctx.save_for_backward(query, key, labels, row, col)
-        ctx.scale = s
+        ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
         ctx.options = (exclude_positive, compute_col, backend, tile_size)
         ctx.set_materialize_grads(False)
@@ -143,16 +177,17 @@ class TiledLSEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_row, grad_col):
-        query, key, labels, row, col = ctx.saved_tensors
+        query, key, labels, row, col, s = ctx.saved_tensors
         exclude_positive, compute_col, backend, tile_size = ctx.options
         if not compute_col:
             grad_col = None
         dq, dk, ds = lse_backward(
-            query, key, ctx.scale, row, col if compute_col else None, grad_row, grad_col,
-            labels=labels, exclude_positive=exclude_positive, backend=backend, tile_size=tile_size,
+            query, key, s, row, col if compute_col else None, grad_row, grad_col,
+            labels=labels, exclude_positive=exclude_positive, out_dtype=query.dtype, backend=backend,
+            tile_size=tile_size,
         )
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None
+        return dq, dk, dscale, None, None, None, None, None
 
 
 def tiled_lse(
@@ -169,7 +204,7 @@ def tiled_lse(
     """Differentiable single-device LSE op (no validation; see ``ds_infcl.loss.lse``)."""
     backend = resolve_backend(backend, query.device)
     if not torch.is_tensor(scale):
-        scale = torch.tensor(float(scale), device=query.device, dtype=torch.float32)
+        scale = torch.full((), float(scale), device=query.device, dtype=torch.float32)
     row, col = TiledLSEFunction.apply(
         query, key, scale, labels, exclude_positive, compute_col, backend, tile_size
     )

@@ -23,11 +23,17 @@ These block functions are also the unit of work of the ring (``ds_infcl.loss``):
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
-__all__ = ["DEFAULT_TILE", "default_tile_size", "lse_forward_torch", "lse_backward_torch"]
+__all__ = [
+    "DEFAULT_TILE",
+    "default_tile_size",
+    "lse_forward_torch",
+    "lse_backward_torch",
+    "positive_logits_torch",
+]
 
 # Tile edges measured to be fastest: on CPU a 1024 x 1024 float32 tile (4 MiB) stays in cache
 # (1024: 0.36 s, 2048: 0.39 s, 4096: 0.73 s for b = m = 4096, c = 256, forward + backward, 2
@@ -71,7 +77,7 @@ def _labels_or_diagonal(labels: Optional[torch.Tensor], b: int, device) -> torch
 def lse_forward_torch(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Union[float, torch.Tensor],
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
@@ -114,7 +120,7 @@ def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
 def lse_backward_torch(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Union[float, torch.Tensor],
     row_lse: torch.Tensor,
     col_lse: Optional[torch.Tensor],
     grad_row: Optional[torch.Tensor],
@@ -122,22 +128,26 @@ def lse_backward_torch(
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
+    grad_pos: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
     tile_b: int = DEFAULT_TILE,
     tile_m: int = DEFAULT_TILE,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``sum_i grad_row_i * row_lse_i + sum_j grad_col_j * col_lse_j``.
+    """Gradients of ``sum_i grad_row_i * row_lse_i + sum_j grad_col_j * col_lse_j
+    + sum_i grad_pos_i * x_{i, labels_i}`` (the last: the positive logits, default the diagonal).
 
-    Returns ``(dq [b, c], dk [m, c], dscale [])``, all float32. ``grad_row`` / ``grad_col`` may be
-    ``None`` (zero); ``col_lse`` is only read when ``grad_col`` is given.
+    Returns ``(dq [b, c], dk [m, c], dscale [])``: float32, or ``out_dtype`` for ``dq`` / ``dk``
+    when given. ``grad_row`` / ``grad_col`` / ``grad_pos`` may be ``None`` (zero); ``col_lse`` is
+    only read when ``grad_col`` is given.
     """
     b, m, c = query.shape[0], key.shape[0], query.shape[1]
     device = query.device
     dq = torch.zeros((b, c), device=device, dtype=torch.float32)
     dk = torch.zeros((m, c), device=device, dtype=torch.float32)
-    if b == 0 or m == 0 or (grad_row is None and grad_col is None):
-        return dq, dk, torch.zeros((), device=device, dtype=torch.float32)
+    if b == 0 or m == 0 or (grad_row is None and grad_col is None and grad_pos is None):
+        return _cast(dq, out_dtype), _cast(dk, out_dtype), torch.zeros((), device=device, dtype=torch.float32)
     qf, kf = query.float(), key.float()
-    lab = _labels_or_diagonal(labels, b, device) if exclude_positive else None
+    lab = _labels_or_diagonal(labels, b, device) if (exclude_positive or grad_pos is not None) else None
     r = _finite_or_zero(row_lse.float()) if grad_row is not None else None
     cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
     a = grad_row.float() if grad_row is not None else None
@@ -146,6 +156,8 @@ def lse_backward_torch(
         i1 = min(i0 + tile_b, b)
         q_i = qf[i0:i1]
         for j0 in range(0, m, tile_m):
+            if a is None and bw is None:
+                break
             j1 = min(j0 + tile_m, m)
             k_j = kf[j0:j1]
             x = _tile_logits(q_i, k_j, scale, lab, exclude_positive, i0, i1, j0, j1)
@@ -157,7 +169,35 @@ def lse_backward_torch(
                 g = x.sub_(cl[None, j0:j1]).exp_().mul_(bw[None, j0:j1])
             dq[i0:i1].addmm_(g, k_j)
             dk[j0:j1].addmm_(g.T, q_i)
+        if grad_pos is not None:  # G_{i, labels_i} += grad_pos_i
+            p = grad_pos[i0:i1].float()[:, None]
+            lab_i = lab[i0:i1]
+            dq[i0:i1].add_(kf[lab_i] * p)
+            dk.index_add_(0, lab_i, q_i * p)
     dscale = (qf * dq).sum()
     dq.mul_(scale)
     dk.mul_(scale)
-    return dq, dk, dscale
+    return _cast(dq, out_dtype), _cast(dk, out_dtype), dscale
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
+
+
+def positive_logits_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Union[float, torch.Tensor],
+    labels: Optional[torch.Tensor] = None,
+    *,
+    tile_b: int = DEFAULT_TILE,
+) -> torch.Tensor:
+    """``[b]`` float32 positive logits ``scale * q_i . k_{labels_i}`` (default labels: the
+    diagonal), ``tile_b`` rows at a time so that no float32 copy of the inputs is made."""
+    b = query.shape[0]
+    out = torch.empty((b,), device=query.device, dtype=torch.float32)
+    lab = _labels_or_diagonal(labels, b, query.device)
+    for i0 in range(0, b, tile_b):
+        i1 = min(i0 + tile_b, b)
+        torch.sum(query[i0:i1].float() * key[lab[i0:i1]].float(), dim=1, out=out[i0:i1])
+    return out.mul_(scale)

@@ -45,13 +45,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lse_forward_triton", "lse_backward_triton", "allow_tf32"]
+__all__ = ["lse_forward_triton", "lse_backward_triton", "positive_logits_triton", "allow_tf32"]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -119,7 +119,7 @@ def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
     if EXACT_MUL:
         return tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=f,f,f",
-            [acc, tl.full(acc.shape, scale, tl.float32)],
+            [acc, tl.zeros(acc.shape, tl.float32) + scale],
             dtype=tl.float32, is_pure=True, pack=1,
         )
     else:
@@ -179,8 +179,8 @@ def _tile_stats_exact(x):
 
 @triton.jit
 def _lse_fwd_kernel(
-    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_max_ptr, col_sum_ptr,
-    b, m, c, stride_q, stride_k, scale,
+    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
+    b, m, c, stride_q, stride_k,
     num_qblocks, kblocks_per_split, num_kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
@@ -194,6 +194,7 @@ def _lse_fwd_kernel(
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_g = tl.num_programs(0)
+    scale = tl.load(scale_ptr)  # a device scalar: a learnable scale costs no host sync
     kb_lo = pid_s * kblocks_per_split
     kb_hi = tl.minimum(kb_lo + kblocks_per_split, num_kblocks)
     arange_m = tl.arange(0, BLOCK_M)
@@ -240,20 +241,25 @@ def _lse_fwd_kernel(
 
 @triton.jit
 def _lse_bwd_g_kernel(
-    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, g_ptr, ds_ptr,
-    i0, j0, rows, cols, c, stride_q, stride_k, scale,
+    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, ds_ptr, scale_ptr,
+    i0, j0, rows, cols, c, stride_q, stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):
     """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
-    ``[rows, cols]`` at ``g_ptr``, and its partial ``sum(G * q.k)`` at ``ds_ptr[tile]``.
+    ``[rows, cols]`` at ``g_ptr``; its partial ``sum(G * q.k)`` is added to ``ds_ptr[tile]``
+    (one slot per tile of the block, summed once after the last block: deterministic).
 
     ``r_ptr`` / ``cl_ptr`` hold the LSEs with -inf already replaced by 0. The logits are rounded
-    exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1.
+    exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1. With
+    ``HAS_POS``, ``p_ptr[i]`` (the upstream gradient of the positive logit ``x_{i, labels_i}``) is
+    added to ``G`` at each row's positive, so the loss's positive terms need no pass of their own.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    scale = tl.load(scale_ptr)
     loc_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     loc_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = loc_m < rows
@@ -264,11 +270,12 @@ def _lse_bwd_g_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     in_bounds = row_ok[:, None] & col_ok[None, :]
     valid = in_bounds
-    if EXCLUDE:
+    if EXCLUDE or HAS_POS:
         if HAS_LABELS:
             lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
         else:
             lab = offs_m
+    if EXCLUDE:
         valid = valid & (offs_n[None, :] != lab[:, None])
     x = _scaled(acc, scale, EXACT_MUL)
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -281,9 +288,41 @@ def _lse_bwd_g_kernel(
         w = tl.load(w_ptr + offs_n, mask=col_ok, other=0.0)
         g += w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
     g = tl.where(valid, g, 0.0)
-    tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(g * acc, axis=1), axis=0))
+    if HAS_POS:
+        p = tl.load(p_ptr + offs_m, mask=row_ok, other=0.0)
+        g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
+    ds_slot = ds_ptr + pid_m * tl.num_programs(1) + pid_n
+    tl.store(ds_slot, tl.load(ds_slot) + tl.sum(tl.sum(g * acc, axis=1), axis=0))
     g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _pos_logit_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, b, c, stride_q, stride_k,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LABELS: tl.constexpr,
+                      EXACT_MUL: tl.constexpr):
+    """``out[i] = scale * q_i . k_{labels_i}`` in fp32: the positive logits of the loss, read
+    row by row (``O(b c)``), never as a ``[b, c]`` float32 copy."""
+    pid = tl.program_id(0)
+    scale = tl.load(scale_ptr)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < b
+    if HAS_LABELS:
+        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=0)
+    else:
+        lab = offs_m
+    offs_k = tl.arange(0, BLOCK_K)
+    q_ptrs = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_k[None, :]
+    k_ptrs = k_ptr + lab.to(tl.int64)[:, None] * stride_k + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, c, BLOCK_K):
+        ok = row_ok[:, None] & ((k0 + offs_k) < c)[None, :]
+        qt = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
+        kt = tl.load(k_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(qt * kt, axis=1)
+        q_ptrs += BLOCK_K
+        k_ptrs += BLOCK_K
+    tl.store(out_ptr + offs_m, _scaled(acc, scale, EXACT_MUL), mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,6 +337,7 @@ class _Config(NamedTuple):
     num_warps: int
     num_stages: int
     maxnreg: int = 0  # 0: no register cap
+    programs_per_sm: int = 0  # persistent forward grid; 0: PROGRAMS_PER_SM
 
     def launch_opts(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -325,7 +365,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _env_config(name: str) -> Optional[_Config]:
-    """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages[,maxnreg]" overrides (tuning)."""
+    """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]"
+    overrides (tuning)."""
     val = os.environ.get(name)
     if not val:
         return None
@@ -384,10 +425,21 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _labels_arg(query: torch.Tensor, labels: Optional[torch.Tensor], exclude_positive: bool):
-    if exclude_positive and labels is not None:
-        return labels.to(device=query.device, dtype=torch.int32).contiguous(), True
+def _labels_arg(query: torch.Tensor, labels: Optional[torch.Tensor], needed: bool):
+    """Integer labels for the kernels (int32/int64 as they are), or (unused pointer, False) for
+    the diagonal / no labels."""
+    if needed and labels is not None:
+        dtype = labels.dtype if labels.dtype in (torch.int32, torch.int64) else torch.int64
+        return labels.to(device=query.device, dtype=dtype).contiguous(), True
     return query, False  # unused pointer
+
+
+def _scale_arg(scale, device: torch.device) -> torch.Tensor:
+    """The scale as a 1-element float32 tensor on ``device``, read by the kernels through a
+    pointer: a learnable (device) scale never costs a host synchronization."""
+    if torch.is_tensor(scale):
+        return scale.detach().reshape(1).to(device=device, dtype=torch.float32)
+    return torch.full((1,), float(scale), device=device, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +460,7 @@ def _forward_grid(num_qblocks: int, num_kblocks: int, b: int, m: int, programs: 
 def lse_forward_triton(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Union[float, torch.Tensor],
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
@@ -417,7 +469,7 @@ def lse_forward_triton(
     """Row LSE ``[b]`` and (if ``compute_col``) column LSE ``[m]``, float32, from one pass.
 
     Same contract as ``ds_infcl.ops.tiled.lse_forward_torch``: all-excluded rows/columns and empty
-    inputs give ``-inf``.
+    inputs give ``-inf``. ``scale`` is a number or a one-element tensor (read on the device).
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
@@ -431,10 +483,11 @@ def lse_forward_triton(
     cfg = _pick_config("fwd", b, m, c, query.dtype, device)
     num_qblocks = triton.cdiv(b, cfg.block_m)
     num_kblocks = triton.cdiv(m, cfg.block_n)
-    groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, PROGRAMS_PER_SM * _num_sms(device))
+    programs = (cfg.programs_per_sm or PROGRAMS_PER_SM) * _num_sms(device)
+    groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, programs)
     kblocks_per_split = triton.cdiv(num_kblocks, splits)
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
-    row_part = torch.full((splits, b), float("-inf"), device=device, dtype=torch.float32)
+    row_part = torch.empty((splits, b), device=device, dtype=torch.float32)  # every slot is written
     if compute_col:
         col_max = torch.full((groups, m), float("-inf"), device=device, dtype=torch.float32)
         col_sum = torch.zeros((groups, m), device=device, dtype=torch.float32)
@@ -443,8 +496,8 @@ def lse_forward_triton(
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
     with _on_device(query):
         _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
-            query, key, lab, row_part, col_max, col_sum,
-            b, m, c, query.stride(0), key.stride(0), float(scale),
+            query, key, lab, row_part, col_max, col_sum, _scale_arg(scale, device),
+            b, m, c, query.stride(0), key.stride(0),
             num_qblocks, kblocks_per_split, num_kblocks,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
@@ -464,6 +517,31 @@ def _merge(part: torch.Tensor) -> torch.Tensor:
     if part.shape[0] == 1:
         return part[0]
     return torch.logsumexp(part, dim=0)
+
+
+def positive_logits_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Union[float, torch.Tensor],
+    labels: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``[b]`` float32 positive logits ``scale * q_i . k_{labels_i}`` (default labels: the
+    diagonal, which needs ``m >= b``), rounded like the tile logits; no autograd."""
+    query, key = _check_inputs(query, key)
+    b, c = query.shape
+    out = torch.empty((b,), device=query.device, dtype=torch.float32)
+    if b == 0:
+        return out
+    lab, has_labels = _labels_arg(query, labels, True)
+    block_m, block_k = (32, 32) if query.device.type != "cuda" else (64, 128)
+    block_k = min(block_k, max(16, triton.next_power_of_2(c)))
+    with _on_device(query):
+        _pos_logit_kernel[(triton.cdiv(b, block_m),)](
+            query, key, lab, out, _scale_arg(scale, query.device), b, c, query.stride(0), key.stride(0),
+            BLOCK_M=block_m, BLOCK_K=block_k, HAS_LABELS=has_labels,
+            EXACT_MUL=_kernel_flags(query, c, block_k)["EXACT_MUL"], num_warps=4,
+        )
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,10 +586,20 @@ def _grad_scale(*weights: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.exp2(-torch.ceil(torch.log2(mx)))
 
 
+def _chunks(align: int) -> Tuple[int, int]:
+    """``(rows, cols)`` of the block of ``G`` written at once (``DS_INFCL_TRITON_CHUNK="RxC"``
+    overrides the module constants, for tuning), rounded up to multiples of ``align``: a block
+    must start where a forward tile starts, so that the recomputed logits are bit-identical to
+    the forward's (the same tile position runs the same dot-product order)."""
+    env = os.environ.get("DS_INFCL_TRITON_CHUNK")
+    r, c = (int(v) for v in env.lower().split("x")) if env else (CHUNK_ROWS, CHUNK_COLS)
+    return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align
+
+
 def lse_backward_triton(
     query: torch.Tensor,
     key: torch.Tensor,
-    scale: float,
+    scale: Union[float, torch.Tensor],
     row_lse: torch.Tensor,
     col_lse: Optional[torch.Tensor],
     grad_row: Optional[torch.Tensor],
@@ -519,68 +607,100 @@ def lse_backward_triton(
     *,
     labels: Optional[torch.Tensor] = None,
     exclude_positive: bool = False,
+    grad_pos: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq [b, c], dk [m, c], dscale [])`` float32 of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)``.
+    """``(dq [b, c], dk [m, c], dscale [])`` of
+    ``sum(grad_row * row_lse) + sum(grad_col * col_lse) + sum(grad_pos * pos)``, where ``pos_i``
+    is the logit of query i with its positive key ``labels_i`` (default the diagonal).
 
     ``row_lse`` / ``col_lse`` may be global statistics of a larger matrix (ring blocks); each
-    tile is recomputed once. Scratch: one ``CHUNK_ROWS x CHUNK_COLS`` block of ``G``.
+    tile is recomputed once. ``dq`` / ``dk`` are float32 (what the ring accumulates across
+    blocks), or ``out_dtype`` when given: then the smaller side keeps a whole float32 accumulator
+    and the other side a float32 accumulator of one chunk, written out in ``out_dtype`` when its
+    chunk is done. Scratch: one ``CHUNK_ROWS x CHUNK_COLS`` block of ``G``.
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
     m = key.shape[0]
     device = query.device
-    dq = torch.zeros((b, c), device=device, dtype=torch.float32)
-    dk = torch.zeros((m, c), device=device, dtype=torch.float32)
-    dscale = torch.zeros((), device=device, dtype=torch.float32)
-    has_row, has_col = grad_row is not None, grad_col is not None
-    if b == 0 or m == 0 or c == 0 or not (has_row or has_col):
-        return dq, dk, dscale
-    gs = _grad_scale(grad_row, grad_col)
-    r2 = a = cl2 = w = dscale  # placeholders for absent directions (never read)
+    f32 = torch.float32
+    res_dtype = out_dtype or f32
+    has_row, has_col, has_pos = grad_row is not None, grad_col is not None, grad_pos is not None
+    if b == 0 or m == 0 or c == 0 or not (has_row or has_col or has_pos):
+        return (torch.zeros((b, c), device=device, dtype=res_dtype),
+                torch.zeros((m, c), device=device, dtype=res_dtype),
+                torch.zeros((), device=device, dtype=f32))
+    s_t = _scale_arg(scale, device)
+    # fp16 G needs its weights brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
+    gs = _grad_scale(grad_row, grad_col, grad_pos) if query.dtype == torch.float16 else None
+
+    def weights(w: torch.Tensor) -> torch.Tensor:
+        w = w.float()
+        return (w * gs if gs is not None else w).contiguous()
+
+    r2 = a = cl2 = w = p = s_t  # placeholders for absent terms (never read)
     if has_row:
-        r2 = _finite_or_zero(row_lse.float()).contiguous()
-        a = (grad_row.float() * gs).contiguous()
+        r2, a = _finite_or_zero(row_lse.float()).contiguous(), weights(grad_row)
     if has_col:
-        cl2 = _finite_or_zero(col_lse.float()).contiguous()
-        w = (grad_col.float() * gs).contiguous()
-    lab, has_labels = _labels_arg(query, labels, exclude_positive)
+        cl2, w = _finite_or_zero(col_lse.float()).contiguous(), weights(grad_col)
+    if has_pos:
+        p = weights(grad_pos)
+    lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
     # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
     # interpreter, whose bf16 dot is wrong.
-    g_dtype = torch.float32 if flags["UPCAST"] else query.dtype
-    chunk_rows = min(b, CHUNK_ROWS_FP32 if g_dtype == torch.float32 else CHUNK_ROWS)
-    chunk_cols = min(m, CHUNK_COLS)
+    g_dtype = f32 if flags["UPCAST"] else query.dtype
+    align = 256 if device.type == "cuda" else 32  # every forward/backward tile edge divides it
+    chunk_rows, chunk_cols = _chunks(align)
+    if g_dtype == f32:
+        chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
+    chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
     max_tiles = triton.cdiv(chunk_rows, cfg.block_m) * triton.cdiv(chunk_cols, cfg.block_n)
-    ds_buf = torch.empty(max_tiles, device=device, dtype=torch.float32)
-    for i0 in range(0, b, chunk_rows):
-        rows = min(chunk_rows, b - i0)
-        q_blk = query[i0:i0 + rows]
-        for j0 in range(0, m, chunk_cols):
-            cols = min(chunk_cols, m - j0)
+    ds_buf = torch.zeros(max_tiles, device=device, dtype=f32)
+    factor = s_t / gs if gs is not None else s_t
+    # Loop order: the outer side is the one whose accumulator is chunked (with out_dtype).
+    rows_outer = out_dtype is None or m <= b
+    full_q = out_dtype is None or not rows_outer
+    full_k = out_dtype is None or rows_outer
+    dq = torch.zeros((b, c), device=device, dtype=f32) if full_q else torch.empty((b, c), device=device, dtype=out_dtype)
+    dk = torch.zeros((m, c), device=device, dtype=f32) if full_k else torch.empty((m, c), device=device, dtype=out_dtype)
+    n_outer, n_inner = (b, m) if rows_outer else (m, b)
+    step_outer, step_inner = (chunk_rows, chunk_cols) if rows_outer else (chunk_cols, chunk_rows)
+    part = None if out_dtype is None else torch.empty((step_outer, c), device=device, dtype=f32)
+    for o0 in range(0, n_outer, step_outer):
+        on = min(step_outer, n_outer - o0)
+        if part is not None:
+            acc = part[:on]
+            acc.zero_()
+        for x0 in range(0, n_inner, step_inner):
+            xn = min(step_inner, n_inner - x0)
+            i0, rows, j0, cols = (o0, on, x0, xn) if rows_outer else (x0, xn, o0, on)
             grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
             g = g_buf[: rows * cols].view(rows, cols)
             with _on_device(query):
                 _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-                    query, key, lab, r2, a, cl2, w, g, ds_buf,
-                    i0, j0, rows, cols, c, query.stride(0), key.stride(0), float(scale),
+                    query, key, lab, r2, a, cl2, w, p, g, ds_buf, s_t,
+                    i0, j0, rows, cols, c, query.stride(0), key.stride(0),
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-                    **cfg.launch_opts(), **flags,
+                    HAS_POS=has_pos, **cfg.launch_opts(), **flags,
                 )
-            dscale += ds_buf[: grid[0] * grid[1]].sum()
-            k_blk = key[j0:j0 + cols]
+            q_op, k_op = query[i0:i0 + rows], key[j0:j0 + cols]
             if flags["UPCAST"]:
-                k_blk, q_op = k_blk.float(), q_blk.float()
-            else:
-                q_op = q_blk
-            _addmm_f32(dq[i0:i0 + rows], g, k_blk)
-            _addmm_f32(dk[j0:j0 + cols], g.t(), q_op)
-    inv = 1.0 / gs
-    dq.mul_(inv * scale)
-    dk.mul_(inv * scale)
-    return dq, dk, dscale * inv
+                q_op, k_op = q_op.float(), k_op.float()
+            _addmm_f32(dq[i0:i0 + rows] if full_q else acc, g, k_op)
+            _addmm_f32(dk[j0:j0 + cols] if full_k else acc, g.t(), q_op)
+        if part is not None:
+            (dq if rows_outer else dk)[o0:o0 + on].copy_(acc.mul_(factor))
+    if full_q:
+        dq = dq.mul_(factor).to(res_dtype)
+    if full_k:
+        dk = dk.mul_(factor).to(res_dtype)
+    dscale = ds_buf.sum()
+    return dq, dk, (dscale / gs if gs is not None else dscale)
 
 
 def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:

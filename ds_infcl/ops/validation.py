@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_features", "check_labels", "check_scale"]
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -20,19 +20,7 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}"
 
 
-def check_features(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    check_finite: bool = True,
-    allow_empty: bool = False,
-) -> None:
-    """Check that ``query [b, c]`` and ``key [m, c]`` can be contrasted.
-
-    Raises:
-        ValueError: not tensors, not 2-D, feature dims or dtypes that differ, unsupported dtype,
-            empty inputs (unless ``allow_empty``), or rows with NaN/Inf (the count is given).
-    """
+def _check_feature_structure(query: torch.Tensor, key: torch.Tensor, allow_empty: bool) -> None:
     for name, t in (("query", query), ("key", key)):
         if not torch.is_tensor(t):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -63,18 +51,9 @@ def check_features(
         for name, t in (("query", query), ("key", key)):
             if t.shape[0] == 0:
                 raise ValueError(f"{name} is empty ({_describe(t)}); the batch needs at least 1 row")
-    if check_finite:
-        for name, t in (("query", query), ("key", key)):
-            bad = int((~torch.isfinite(t)).any(dim=1).sum()) if t.numel() else 0
-            if bad:
-                raise ValueError(
-                    f"{name} has {bad} of {t.shape[0]} rows with NaN or Inf values; "
-                    "check the encoder (fp16 overflow, a bad sample, a diverged step)"
-                )
 
 
-def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int) -> None:
-    """Check ``labels [b]``: integer indices of each query's positive among the local keys."""
+def _check_label_structure(labels: Optional[torch.Tensor], num_queries: int, num_keys: int) -> None:
     if labels is None:
         if num_keys < num_queries:
             raise ValueError(
@@ -90,8 +69,65 @@ def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int
         raise ValueError(
             f"labels must have shape [{num_queries}] (one per query), got {tuple(labels.shape)}"
         )
-    if num_queries:
-        lo, hi = int(labels.min()), int(labels.max())
+
+
+def _scale_value_error(value: float) -> Optional[str]:
+    if not (value == value and abs(value) != float("inf")):
+        return f"scale must be finite, got {value}"
+    return None
+
+
+def _check_scale_structure(scale: Union[float, int, torch.Tensor]) -> None:
+    if torch.is_tensor(scale):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
+        if not scale.dtype.is_floating_point:
+            raise ValueError(f"a scale tensor must be floating point, got {scale.dtype}")
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        msg = _scale_value_error(float(scale))
+        if msg:
+            raise ValueError(msg)
+    else:
+        raise ValueError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+
+
+def _device_checks(
+    query: Optional[torch.Tensor],
+    key: Optional[torch.Tensor],
+    scale,
+    labels: Optional[torch.Tensor],
+    num_keys: int,
+    check_finite: bool,
+) -> None:
+    """The checks that read tensor values, with a single device-to-host copy for all of them
+    (each readback drains the GPU queue, so a loss call makes at most one)."""
+    names, values = [], []
+    if check_finite:
+        for name, t in (("query", query), ("key", key)):
+            if t is not None and t.numel():
+                names.append(name)
+                values.append((~torch.isfinite(t)).any(dim=1).sum())
+    if torch.is_tensor(scale) and (check_finite or scale.device.type == "cpu"):
+        names.append("scale")
+        values.append((~torch.isfinite(scale.detach())).sum())
+    if labels is not None and labels.numel():
+        names += ["labels_min", "labels_max"]
+        values += [labels.min(), labels.max()]
+    if not values:
+        return
+    device = values[0].device
+    got = dict(zip(names, torch.stack([v.to(device=device, dtype=torch.int64) for v in values]).tolist()))
+    for name, t in (("query", query), ("key", key)):
+        bad = got.get(name, 0)
+        if bad:
+            raise ValueError(
+                f"{name} has {bad} of {t.shape[0]} rows with NaN or Inf values; "
+                "check the encoder (fp16 overflow, a bad sample, a diverged step)"
+            )
+    if got.get("scale", 0):
+        raise ValueError(_scale_value_error(float(scale.detach())))
+    if "labels_min" in got:
+        lo, hi = got["labels_min"], got["labels_max"]
         if lo < 0 or hi >= num_keys:
             raise ValueError(
                 f"labels must lie in [0, {num_keys}) (indices into the local keys); "
@@ -99,17 +135,54 @@ def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int
             )
 
 
+def check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Union[float, int, torch.Tensor],
+    labels: Optional[torch.Tensor] = None,
+    *,
+    check_labels: bool = True,
+    check_finite: bool = True,
+    allow_empty: bool = False,
+) -> None:
+    """All checks of a loss call: :func:`check_features`, :func:`check_scale` and (if
+    ``check_labels``) :func:`check_labels`, with one device-to-host copy for the value checks,
+    and none at all when ``check_finite`` is false and no labels are given.
+
+    A tensor scale is checked for NaN/Inf with the features (``check_finite``); on a CPU tensor
+    always.
+    """
+    _check_feature_structure(query, key, allow_empty)
+    _check_scale_structure(scale)
+    if check_labels:
+        _check_label_structure(labels, query.shape[0], key.shape[0])
+    _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite)
+
+
+def check_features(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    check_finite: bool = True,
+    allow_empty: bool = False,
+) -> None:
+    """Check that ``query [b, c]`` and ``key [m, c]`` can be contrasted.
+
+    Raises:
+        ValueError: not tensors, not 2-D, feature dims or dtypes that differ, unsupported dtype,
+            empty inputs (unless ``allow_empty``), or rows with NaN/Inf (the count is given).
+    """
+    _check_feature_structure(query, key, allow_empty)
+    _device_checks(query, key, None, None, key.shape[0], check_finite)
+
+
+def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int) -> None:
+    """Check ``labels [b]``: integer indices of each query's positive among the local keys."""
+    _check_label_structure(labels, num_queries, num_keys)
+    _device_checks(None, None, None, labels, num_keys, False)
+
+
 def check_scale(scale: Union[float, int, torch.Tensor]) -> None:
     """Check that the scale (``1 / temperature``) is a finite number or a one-element tensor."""
-    if torch.is_tensor(scale):
-        if scale.numel() != 1:
-            raise ValueError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
-        if not scale.dtype.is_floating_point:
-            raise ValueError(f"a scale tensor must be floating point, got {scale.dtype}")
-        value = float(scale.detach())
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        value = float(scale)
-    else:
-        raise ValueError(f"scale must be a float or a tensor, got {type(scale).__name__}")
-    if not (value == value and abs(value) != float("inf")):
-        raise ValueError(f"scale must be finite, got {value}")
+    _check_scale_structure(scale)
+    _device_checks(None, None, scale, None, 0, True)

@@ -127,3 +127,32 @@ def test_op_exclude_positive_arbitrary_weights(b, m, c, scale, dtype):
     print(f"\nop b={b} m={m} c={c} s={scale} exclude {dtype}: "
           + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
     assert all(ok for *_, ok in msgs)
+
+
+@pytest.mark.parametrize("check_finite,with_labels,expected", [(False, False, 0), (True, False, 1), (True, True, 1)])
+def test_loss_step_host_syncs(check_finite, with_labels, expected):
+    """A loss step (forward + backward, learnable scale) never waits for the GPU, except for the
+    one readback of the input checks (NaN/Inf rows, label range) when they are asked for."""
+    import warnings
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(8192, 512, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    k = torch.randn(8192, 512, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    s = torch.tensor(14.3, device="cuda", requires_grad=True)
+    labels = torch.randperm(8192, device="cuda", generator=g) if with_labels else None
+
+    def step():
+        contrastive_loss(q, k, s, labels, symmetric=True, backend="triton", check_finite=check_finite).backward()
+
+    step()  # compile, and the one-time probe of torch.addmm(out_dtype=...)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"\nhost syncs (check_finite={check_finite}, labels={with_labels}): {len(syncs)} {syncs}")
+    assert len(syncs) == expected, syncs

@@ -1,0 +1,91 @@
+"""The InfoNCE loss on one device as one autograd Function over the LSE kernels.
+
+Maths (DESIGN.md section 2), ``b`` queries, ``m`` keys, positives ``l_i`` (default ``i``)::
+
+    one direction   L = (1/b) sum_i (r_i - x_{i,l_i})
+    symmetric       L = (1/2b) sum_i (r_i - x_{i,l_i}) + (1/2b) sum_i (c_{l_i} - x_{i,l_i})
+
+with ``r``/``c`` the row/column LSE of ``x = s q k^T``. With upstream gradient ``g`` the backward
+is one call of the LSE backward with the weights
+
+    a_i = g / b  (one direction) or g / 2b        b_j = (g / 2b) #{i : l_i = j}  (symmetric)
+    p_i = -g / b   (upstream gradient of the positive logit x_{i,l_i}, added to G at (i, l_i))
+
+so the positive terms cost no pass and no memory of their own, and ``dq``/``dk`` are written in
+the inputs' dtype with bounded float32 scratch. The composition by autograd
+(``ds_infcl.loss.functional.compose_infonce`` over ``tiled_lse``) gives the same values; this
+Function is what the single-device ``infcl`` loss runs: fewer kernel launches (the small-batch
+cost is the host's), and no ``[b, c]`` float32 copies for the positive logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ds_infcl.ops.lse import lse_backward, lse_forward, positive_logits_forward, resolve_backend
+
+__all__ = ["InfoNCEFunction", "infonce_loss"]
+
+
+class InfoNCEFunction(torch.autograd.Function):
+    """``L = InfoNCE(query, key, scale, labels)`` (0-dim float32); saves only the inputs, the two
+    LSE vectors and the scale: O((b + m) c)."""
+
+    @staticmethod
+    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size):
+        s = scale.detach()
+        b = query.shape[0]
+        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
+        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        loss = (row - pos).sum()
+        if symmetric:
+            col_pos = col[:b] if labels is None else col[labels]
+            loss = (loss + (col_pos - pos).sum()) / 2
+        else:
+            col = row.new_empty((0,))
+        ctx.save_for_backward(query, key, labels, row, col, s)
+        ctx.scale_shape = scale.shape
+        ctx.options = (symmetric, backend, tile_size)
+        return loss / b
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, labels, row, col, s = ctx.saved_tensors
+        symmetric, backend, tile_size = ctx.options
+        b, m = query.shape[0], key.shape[0]
+        w = grad.float() / b
+        grad_pos = (-w).expand(b)
+        grad_col = None
+        if symmetric:
+            w = w / 2
+            grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
+            if labels is None:
+                grad_col[:b] = w
+            else:  # w times the number of queries whose positive is key j (bincount would sync)
+                grad_col.index_add_(0, labels, w.expand(b))
+        dq, dk, ds = lse_backward(
+            query, key, s, row, col if symmetric else None, w.expand(b), grad_col,
+            labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
+        )
+        dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
+        return dq, dk, dscale, None, None, None, None
+
+
+def infonce_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    symmetric: bool = False,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """InfoNCE of ``query [b, c]`` against ``key [m, c]`` on one device (no validation; see
+    ``ds_infcl.loss.contrastive_loss``). ``scale`` is a 0-dim float32 tensor (it receives a
+    gradient if it requires one); ``labels [b]`` int64 local indices, or ``None`` for the
+    diagonal (``m >= b``)."""
+    backend = resolve_backend(backend, query.device)
+    return InfoNCEFunction.apply(query, key, scale, labels, symmetric, backend, tile_size)
