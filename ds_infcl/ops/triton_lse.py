@@ -241,21 +241,30 @@ def _lse_fwd_kernel(
 
 @triton.jit
 def _lse_bwd_g_kernel(
-    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, ds_ptr, scale_ptr,
+    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr,
     i0, j0, rows, cols, c, stride_q, stride_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, ONE_EXP: tl.constexpr,
 ):
     """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
-    ``[rows, cols]`` at ``g_ptr``; its partial ``sum(G * q.k)`` is added to ``ds_ptr[tile]``
-    (one slot per tile of the block, summed once after the last block: deterministic).
+    ``[rows, cols]`` at ``g_ptr``.
 
     ``r_ptr`` / ``cl_ptr`` hold the LSEs with -inf already replaced by 0. The logits are rounded
     exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1. With
     ``HAS_POS``, ``p_ptr[i]`` (the upstream gradient of the positive logit ``x_{i, labels_i}``) is
     added to ``G`` at each row's positive, so the loss's positive terms need no pass of their own.
+    The scale gradient is not formed here: ``sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i`` comes from
+    the float32 accumulator of the product that follows (see the launcher).
+
+    With both directions and ``ONE_EXP``, one exponential per logit serves both terms:
+    ``exp(x - c_j) = exp(x - r_i) * exp(r_i - R) * exp(R - c_j)``, ``R`` the tile's largest row
+    LSE, so ``G_ij = exp(x_ij - r_i) * (a_i + u_i v_j)`` with ``u_i = exp(r_i - R)`` and
+    ``v_j = b_j exp(R - c_j)`` taken per row and per column. Exact when ``R - min_i r_i <= 80``
+    (no ``u_i`` underflows) and ``R - min_j c_j <= 60`` (no ``v_j`` overflows, and a term lost to
+    an underflowing ``exp(x - r_i)`` is below ``e^-27`` of its column's total); a tile outside
+    that range takes two exponentials.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -266,6 +275,12 @@ def _lse_bwd_g_kernel(
     col_ok = loc_n < cols
     offs_m = i0 + loc_m
     offs_n = j0 + loc_n
+    if HAS_ROW:
+        r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
+        a = tl.load(a_ptr + offs_m, mask=row_ok, other=0.0)
+    if HAS_COL:
+        cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
+        w = tl.load(w_ptr + offs_n, mask=col_ok, other=0.0)
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     in_bounds = row_ok[:, None] & col_ok[None, :]
@@ -278,21 +293,26 @@ def _lse_bwd_g_kernel(
     if EXCLUDE:
         valid = valid & (offs_n[None, :] != lab[:, None])
     x = _scaled(acc, scale, EXACT_MUL)
-    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HAS_ROW:
-        r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
-        a = tl.load(a_ptr + offs_m, mask=row_ok, other=0.0)
-        g += a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
-    if HAS_COL:
-        cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-        w = tl.load(w_ptr + offs_n, mask=col_ok, other=0.0)
-        g += w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
+    if HAS_ROW and HAS_COL:
+        r_hi = tl.max(tl.where(row_ok, r, float("-inf")), axis=0)
+        r_lo = tl.min(tl.where(row_ok, r, float("inf")), axis=0)
+        c_lo = tl.min(tl.where(col_ok, cl, float("inf")), axis=0)
+        if ONE_EXP and (r_hi - r_lo <= 80.0) and (r_hi - c_lo <= 60.0):
+            u = tl.exp2((r - r_hi) * LOG2E)
+            v = w * tl.exp2((r_hi - cl) * LOG2E)
+            g = tl.exp2((x - r[:, None]) * LOG2E) * (a[:, None] + u[:, None] * v[None, :])
+        else:
+            g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
+    elif HAS_ROW:
+        g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
+    elif HAS_COL:
+        g = w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
+    else:
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g = tl.where(valid, g, 0.0)
     if HAS_POS:
         p = tl.load(p_ptr + offs_m, mask=row_ok, other=0.0)
         g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
-    ds_slot = ds_ptr + pid_m * tl.num_programs(1) + pid_n
-    tl.store(ds_slot, tl.load(ds_slot) + tl.sum(tl.sum(g * acc, axis=1), axis=0))
     g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
 
@@ -356,6 +376,8 @@ PROGRAMS_PER_SM = 1
 SHARED_SHIFT = os.environ.get("DS_INFCL_TRITON_SHARED_SHIFT", "1") == "1"
 # Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
 EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
+# One exponential per logit in the backward of both directions (range check, exact fallback).
+ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
@@ -658,8 +680,6 @@ def lse_backward_triton(
         chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
     chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
-    max_tiles = triton.cdiv(chunk_rows, cfg.block_m) * triton.cdiv(chunk_cols, cfg.block_n)
-    ds_buf = torch.zeros(max_tiles, device=device, dtype=f32)
     factor = s_t / gs if gs is not None else s_t
     # Loop order: the outer side is the one whose accumulator is chunked (with out_dtype).
     rows_outer = out_dtype is None or m <= b
@@ -670,6 +690,9 @@ def lse_backward_triton(
     n_outer, n_inner = (b, m) if rows_outer else (m, b)
     step_outer, step_inner = (chunk_rows, chunk_cols) if rows_outer else (chunk_cols, chunk_rows)
     part = None if out_dtype is None else torch.empty((step_outer, c), device=device, dtype=f32)
+    # dscale = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i = sum_j k_j . (G^T q)_j, from the float32
+    # accumulator before it is scaled (chunk by chunk on the chunked side).
+    dscale = torch.zeros((), device=device, dtype=f32)
     for o0 in range(0, n_outer, step_outer):
         on = min(step_outer, n_outer - o0)
         if part is not None:
@@ -682,11 +705,11 @@ def lse_backward_triton(
             g = g_buf[: rows * cols].view(rows, cols)
             with _on_device(query):
                 _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-                    query, key, lab, r2, a, cl2, w, p, g, ds_buf, s_t,
+                    query, key, lab, r2, a, cl2, w, p, g, s_t,
                     i0, j0, rows, cols, c, query.stride(0), key.stride(0),
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-                    HAS_POS=has_pos, **cfg.launch_opts(), **flags,
+                    HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,
                 )
             q_op, k_op = query[i0:i0 + rows], key[j0:j0 + cols]
             if flags["UPCAST"]:
@@ -694,12 +717,16 @@ def lse_backward_triton(
             _addmm_f32(dq[i0:i0 + rows] if full_q else acc, g, k_op)
             _addmm_f32(dk[j0:j0 + cols] if full_k else acc, g.t(), q_op)
         if part is not None:
-            (dq if rows_outer else dk)[o0:o0 + on].copy_(acc.mul_(factor))
+            out, own = (dq, query) if rows_outer else (dk, key)
+            torch.mul(acc, factor, out=out[o0:o0 + on])  # rounded once, into out_dtype
+            dscale += acc.mul_(own[o0:o0 + on]).sum()
+    if out_dtype is None:  # both accumulators are whole: dscale from dq, a bounded chunk at a time
+        for i0 in range(0, b, chunk_rows):
+            dscale += (dq[i0:i0 + chunk_rows] * query[i0:i0 + chunk_rows]).sum()
     if full_q:
         dq = dq.mul_(factor).to(res_dtype)
     if full_k:
         dk = dk.mul_(factor).to(res_dtype)
-    dscale = ds_buf.sum()
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
 

@@ -1,9 +1,16 @@
-"""Where the time goes at a small batch (CUDA): launcher-level vs loss-level, and a profile.
+"""Where the time goes at a small batch (CUDA): host issue time, GPU time, and a profile.
 
     python tests/gpu/probe_small.py [b] [c]
+
+Prints, for one symmetric loss step (forward + backward, bf16, learnable scale, no input checks):
+the launcher-level times, the loss-level time (CUDA events, as ``ds_infcl.bench.loss``), the host
+time to issue one step (nothing waits for the GPU, so this is the CPU's share), the GPU time of
+the same step replayed from a CUDA graph (no CPU in the way), and the profile's top entries by
+self CPU time and by CUDA time.
 """
 
 import sys
+import time
 
 import torch
 import triton
@@ -17,23 +24,49 @@ q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).bflo
 k = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=-1).bfloat16().requires_grad_()
 s = torch.tensor(14.3, device="cuda", requires_grad=True)
 bench = lambda f: triton.testing.do_bench(f, warmup=20, rep=200, return_mode="median")  # noqa: E731
-row, col = T.lse_forward_triton(q.detach(), k.detach(), 14.3)
-gr, gc = torch.full_like(row, 1 / b), torch.full_like(col, 1 / b)
-print(f"# b={b} c={c}: ideal fwd+bwd {8 * b * b * c / 773e12 * 1e3:.3f} ms at 773 TFLOP/s")
-print(f"launcher fwd {bench(lambda: T.lse_forward_triton(q.detach(), k.detach(), 14.3)):.3f} ms")
-print(f"launcher bwd {bench(lambda: T.lse_backward_triton(q.detach(), k.detach(), 14.3, row, col, gr, gc)):.3f} ms")
+row, col = T.lse_forward_triton(q.detach(), k.detach(), s)
+gr, gc, gp = torch.full_like(row, 0.5 / b), torch.full_like(col, 0.5 / b), torch.full_like(row, -1 / b)
+print(f"# {torch.cuda.get_device_name()} b={b} c={c}: ideal fwd+bwd {8 * b * b * c / 785e12 * 1e3:.3f} ms at 785 TFLOP/s")
+print(f"launcher fwd {bench(lambda: T.lse_forward_triton(q.detach(), k.detach(), s)):.3f} ms")
+print(f"launcher bwd {bench(lambda: T.lse_backward_triton(q.detach(), k.detach(), s, row, col, gr, gc, grad_pos=gp, out_dtype=q.dtype)):.3f} ms")
 
 
 def step():
+    q.grad = k.grad = s.grad = None
     contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False).backward()
 
 
-print(f"loss fwd+bwd {bench(step):.3f} ms")
-g = torch.cuda.CUDAGraph()
+print(f"loss fwd+bwd (events) {bench(step):.3f} ms")
+issue = []
+for _ in range(30):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    issue.append((time.perf_counter() - t0) * 1e3)
+torch.cuda.synchronize()
+print(f"host time to issue one step: median {sorted(issue)[15]:.3f} ms")
+
+# The same step from a CUDA graph: the GPU's own time, without the host.
+try:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    q.grad = k.grad = s.grad = None
+    with torch.cuda.graph(graph):
+        contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False).backward()
+    print(f"GPU time of one step (graph replay) {bench(graph.replay):.3f} ms")
+except Exception as err:  # capture can fail on older stacks; the rest of the probe still stands
+    print(f"graph capture failed: {type(err).__name__}: {str(err)[:200]}")
+
 step()
 torch.cuda.synchronize()
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))

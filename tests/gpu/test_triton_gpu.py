@@ -153,6 +153,9 @@ def test_loss_step_host_syncs(check_finite, with_labels, expected):
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    # Each detected sync warns "called a synchronizing CUDA operation"; the mode itself adds a
+    # one-time notice that it is a prototype, which is not a sync.
+    syncs = [str(w.message).splitlines()[0] for w in caught
+             if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message).lower()]
     print(f"\nhost syncs (check_finite={check_finite}, labels={with_labels}): {len(syncs)} {syncs}")
     assert len(syncs) == expected, syncs
