@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ds_infcl.loss.registry import register_loss_impl
+from ds_infcl.ops import labels_or_diagonal
 from ds_infcl.ring import (
     all_gather_nograd,
     all_gather_with_grad,
@@ -45,6 +46,7 @@ def _logits(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def vanilla_loss(query, key, scale, labels, *, symmetric, backend=None, group=None, tile_size=None):
     """CLIP: gather both sides with autograd; every rank computes the full ``[B, M]`` loss."""
     group = resolve_group(group)
+    labels = labels_or_diagonal(labels, query.shape[0], query.device)
     layout = exchange_layout(query, key, group, protocol="vanilla", flags=int(symmetric))
     q_all = all_gather_with_grad(query, layout.query_sizes, layout.rank, group)
     k_all = all_gather_with_grad(key, layout.key_sizes, layout.rank, group)
@@ -59,6 +61,7 @@ def vanilla_loss(query, key, scale, labels, *, symmetric, backend=None, group=No
 
 def _local_share(query, key, scale, labels, symmetric, layout, group, reduce):
     b = query.shape[0]
+    labels = labels_or_diagonal(labels, b, query.device)
     rows = torch.arange(b, device=query.device)
     k_all = all_gather_with_grad(key, layout.key_sizes, layout.rank, group, reduce=reduce)
     x = _logits(query, k_all, scale)  # [b, M]

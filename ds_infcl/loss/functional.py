@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
-from ds_infcl.ops import infonce_loss, tiled_lse
+from ds_infcl.ops import infonce_loss, labels_or_diagonal, tiled_lse
 from ds_infcl.ops.validation import check_inputs
 from ds_infcl.ring import agree_on_input_errors, group_size
 
@@ -32,12 +32,6 @@ def _as_scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
         return scale.reshape(()).to(device=device, dtype=torch.float32)
     # a fill, not a host-to-device copy (which would wait for the GPU queue)
     return torch.full((), float(scale), device=device, dtype=torch.float32)
-
-
-def _labels_tensor(labels: Optional[torch.Tensor], b: int, device: torch.device) -> torch.Tensor:
-    if labels is None:
-        return torch.arange(b, device=device)
-    return labels.to(device=device, dtype=torch.long)
 
 
 def lse(
@@ -84,7 +78,7 @@ def lse(
         check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
                      allow_empty=group_size(group) > 1)
     if exclude_positive:
-        labels = _labels_tensor(labels, query.shape[0], query.device)
+        labels = labels_or_diagonal(labels, query.shape[0], query.device)
     scale_t = _as_scale_tensor(scale, query.device)
     if group_size(group) > 1:
         from ds_infcl.loss.ring import ring_lse
@@ -182,7 +176,7 @@ def contrastive_loss(
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         fn = get_loss_impl(impl)
         check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1)
-    labels_t = _labels_tensor(labels, query.shape[0], query.device)
+    labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
     scale_t = _as_scale_tensor(scale, query.device)
     return fn(
         query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,

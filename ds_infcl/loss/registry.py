@@ -7,7 +7,8 @@ implementation is a callable::
     fn(query, key, scale, labels, *, symmetric, backend, group, tile_size) -> loss
 
 called with validated inputs, where ``scale`` is a 0-dim float tensor (it may require grad) and
-``labels`` an int64 tensor of local indices. It returns the global loss (the same value on every
+``labels`` an int64 tensor of local indices or ``None`` for the diagonal (query i's positive is
+key i; ``ds_infcl.ops.labels_or_diagonal`` makes the tensor where one is needed). It returns the global loss (the same value on every
 rank of ``group``), and after the data-parallel mean of gradients over ``group`` every gradient
 equals the single-device gradient on the global batch.
 """

@@ -32,7 +32,7 @@ from typing import Optional, Tuple
 import torch
 
 from ds_infcl.loss.functional import compose_infonce, positive_logits
-from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
+from ds_infcl.ops import labels_or_diagonal, lse_backward, lse_forward, resolve_backend
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -227,7 +227,7 @@ def ring_infonce(
     query: torch.Tensor,
     key: torch.Tensor,
     scale_t: torch.Tensor,
-    labels: torch.Tensor,
+    labels: Optional[torch.Tensor],
     *,
     symmetric: bool,
     backend: str = "auto",
@@ -235,7 +235,8 @@ def ring_infonce(
     tile_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Global InfoNCE by the ring: the global loss on every rank, exact gradients after the
-    data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank)."""
+    data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank;
+    ``None``: the diagonal)."""
     group = resolve_group(group)
     backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
@@ -244,6 +245,7 @@ def ring_infonce(
     )
     row, col = _apply_ring(query, key, scale_t, None, False, symmetric, backend, group, tile_size,
                            layout)
+    labels = labels_or_diagonal(labels, query.shape[0], query.device)
     pos = positive_logits(query, key, scale_t, labels)
     share = compose_infonce(row, col, pos, labels, layout.num_queries, symmetric)
     return global_sum_with_grad(share, layout, group)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ds_infcl.ops.lse import lse_backward, lse_forward, positive_logits_forward, resolve_backend
+from ds_infcl.ops.lse import infonce_forward, lse_backward, resolve_backend
 
 __all__ = ["InfoNCEFunction", "infonce_loss"]
 
@@ -36,35 +36,33 @@ class InfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size):
         s = scale.detach()
-        b = query.shape[0]
-        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
-        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
-        loss = (row - pos).sum()
-        if symmetric:
-            col_pos = col[:b] if labels is None else col[labels]
-            loss = (loss + (col_pos - pos).sum()) / 2
-        else:
+        loss, row, col = infonce_forward(query, key, s, labels, symmetric=symmetric, backend=backend,
+                                         tile_size=tile_size)
+        if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
         ctx.options = (symmetric, backend, tile_size)
-        return loss / b
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
         query, key, labels, row, col, s = ctx.saved_tensors
         symmetric, backend, tile_size = ctx.options
         b, m = query.shape[0], key.shape[0]
-        w = grad.float() / b
-        grad_pos = (-w).expand(b)
+        grad = grad.float()
+        w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
+        grad_pos = (grad * (-1.0 / b)).expand(b)
         grad_col = None
         if symmetric:
-            w = w / 2
-            grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
-            if labels is None:
-                grad_col[:b] = w
+            if labels is None and m == b:  # CLIP: every key is one query's positive
+                grad_col = w.expand(m)
             else:  # w times the number of queries whose positive is key j (bincount would sync)
-                grad_col.index_add_(0, labels, w.expand(b))
+                grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
+                if labels is None:
+                    grad_col[:b] = w
+                else:
+                    grad_col.index_add_(0, labels, w.expand(b))
         dq, dk, ds = lse_backward(
             query, key, s, row, col if symmetric else None, w.expand(b), grad_col,
             labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,

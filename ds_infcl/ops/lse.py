@@ -30,6 +30,7 @@ __all__ = [
     "lse_forward",
     "lse_backward",
     "positive_logits_forward",
+    "infonce_forward",
     "TiledLSEFunction",
     "tiled_lse",
 ]
@@ -149,6 +150,32 @@ def positive_logits_forward(
 
         return positive_logits_triton(query, key, scale, labels)
     return positive_logits_torch(query, key, scale, labels, tile_b=tile_size or default_tile_size(query.device))
+
+
+def infonce_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scale,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    symmetric: bool = False,
+    backend: str = "torch",
+    tile_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(loss [], row_lse [b], col_lse [m] or None)`` of the InfoNCE over one block (no autograd):
+    ``mean_i (row_i - pos_i)``, symmetric ``mean_i (row_i + col_{labels_i} - 2 pos_i) / 2``."""
+    if backend == "triton":
+        from ds_infcl.ops.triton_lse import infonce_forward_triton
+
+        return infonce_forward_triton(query, key, scale, labels, symmetric=symmetric)
+    b = query.shape[0]
+    row, col = lse_forward(query, key, scale, compute_col=symmetric, backend=backend, tile_size=tile_size)
+    pos = positive_logits_forward(query, key, scale, labels, backend=backend, tile_size=tile_size)
+    loss = (row - pos).sum()
+    if symmetric:
+        col_pos = col[:b] if labels is None else col[labels]
+        loss = (loss + (col_pos - pos).sum()) / 2
+    return loss / b, row, col
 
 
 class TiledLSEFunction(torch.autograd.Function):

@@ -33,6 +33,7 @@ __all__ = [
     "lse_forward_torch",
     "lse_backward_torch",
     "positive_logits_torch",
+    "labels_or_diagonal",
 ]
 
 # Tile edges measured to be fastest: on CPU a 1024 x 1024 float32 tile (4 MiB) stays in cache
@@ -70,7 +71,8 @@ def _tile_logits(qf_tile, kf_tile, scale, labels, exclude_positive, i0, i1, j0, 
     return x
 
 
-def _labels_or_diagonal(labels: Optional[torch.Tensor], b: int, device) -> torch.Tensor:
+def labels_or_diagonal(labels: Optional[torch.Tensor], b: int, device) -> torch.Tensor:
+    """int64 ``[b]`` labels on ``device``; ``None`` means the diagonal (query i's positive is key i)."""
     return torch.arange(b, device=device) if labels is None else labels.to(device=device, dtype=torch.long)
 
 
@@ -97,7 +99,7 @@ def lse_forward_torch(
     if b == 0 or m == 0:
         return row, col
     qf, kf = query.float(), key.float()
-    lab = _labels_or_diagonal(labels, b, device) if exclude_positive else None
+    lab = labels_or_diagonal(labels, b, device) if exclude_positive else None
     for i0 in range(0, b, tile_b):
         i1 = min(i0 + tile_b, b)
         row_i = row[i0:i1]
@@ -147,7 +149,7 @@ def lse_backward_torch(
     if b == 0 or m == 0 or (grad_row is None and grad_col is None and grad_pos is None):
         return _cast(dq, out_dtype), _cast(dk, out_dtype), torch.zeros((), device=device, dtype=torch.float32)
     qf, kf = query.float(), key.float()
-    lab = _labels_or_diagonal(labels, b, device) if (exclude_positive or grad_pos is not None) else None
+    lab = labels_or_diagonal(labels, b, device) if (exclude_positive or grad_pos is not None) else None
     r = _finite_or_zero(row_lse.float()) if grad_row is not None else None
     cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
     a = grad_row.float() if grad_row is not None else None
@@ -196,7 +198,7 @@ def positive_logits_torch(
     diagonal), ``tile_b`` rows at a time so that no float32 copy of the inputs is made."""
     b = query.shape[0]
     out = torch.empty((b,), device=query.device, dtype=torch.float32)
-    lab = _labels_or_diagonal(labels, b, query.device)
+    lab = labels_or_diagonal(labels, b, query.device)
     for i0 in range(0, b, tile_b):
         i1 = min(i0 + tile_b, b)
         torch.sum(query[i0:i1].float() * key[lab[i0:i1]].float(), dim=1, out=out[i0:i1])

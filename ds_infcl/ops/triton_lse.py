@@ -51,19 +51,32 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lse_forward_triton", "lse_backward_triton", "positive_logits_triton", "allow_tf32"]
+__all__ = [
+    "lse_forward_triton",
+    "lse_backward_triton",
+    "positive_logits_triton",
+    "infonce_forward_triton",
+    "allow_tf32",
+]
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Backward scratch: the block of G written at once is at most CHUNK_ROWS x CHUNK_COLS elements
-# (8192 x 8192 in bf16 = 128 MiB). Square blocks minimise the fp32 read-modify-write of dq/dk
-# ((1/CHUNK_ROWS + 1/CHUNK_COLS) * 8 b m c bytes in total) and give the two GEMMs enough output
-# tiles (8192 x c) to fill the GPU. Tests shrink these to exercise several blocks.
+# (8192 x 8192 in bf16 = 128 MiB). Large square blocks minimise the fp32 read-modify-write of
+# dq/dk ((1/CHUNK_ROWS + 1/CHUNK_COLS) * 8 b m c bytes in total) and give the two GEMMs enough
+# output tiles (8192 x c) to fill the GPU. Tests shrink these to exercise several blocks.
 CHUNK_ROWS = 8192
 CHUNK_COLS = 8192
 # fp32 G costs twice the bytes: halve the rows to keep the same scratch.
 CHUNK_ROWS_FP32 = 4096
+# When the gradients are written in the inputs' dtype (the single-device loss), the backward's
+# whole scratch (the float32 accumulator of one side, the chunk accumulator of the other and the
+# block of G) stays within this budget where it can: the columns of G shrink (balanced blocks,
+# at least MIN_CHUNK_COLS) before the scratch grows past it. 240 MiB keeps b = m = 65,536 at
+# c = 512 under 0.25 GiB (issue 3's memory target) with 8192 x 6144 blocks.
+SCRATCH_BUDGET = 240 * 2**20
+MIN_CHUNK_COLS = 4096
 
 
 def allow_tf32() -> bool:
@@ -214,10 +227,12 @@ def _lse_fwd_kernel(
             col_ok = offs_n < m
             if COMPUTE_COL:
                 # This program's slot (no other program touches col_*[pid_g, offs_n]); loaded
-                # before the GEMM so that its latency hides behind it.
+                # before the GEMM so that its latency hides behind it. The program's first query
+                # block starts the slot (empty statistics), so the buffers need no initialization.
                 slot = pid_g.to(tl.int64) * m + offs_n
-                old_max = tl.load(col_max_ptr + slot, mask=col_ok, other=float("-inf"))
-                old_sum = tl.load(col_sum_ptr + slot, mask=col_ok, other=0.0)
+                seen = col_ok & (qb != pid_g)
+                old_max = tl.load(col_max_ptr + slot, mask=seen, other=float("-inf"))
+                old_sum = tl.load(col_sum_ptr + slot, mask=seen, other=0.0)
             acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
             valid = row_ok[:, None] & col_ok[None, :]
@@ -242,7 +257,7 @@ def _lse_fwd_kernel(
 @triton.jit
 def _lse_bwd_g_kernel(
     q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr,
-    i0, j0, rows, cols, c, stride_q, stride_k,
+    i0, j0, rows, cols, c, stride_q, stride_k, stride_a, stride_w, stride_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
@@ -251,7 +266,9 @@ def _lse_bwd_g_kernel(
     """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
     ``[rows, cols]`` at ``g_ptr``.
 
-    ``r_ptr`` / ``cl_ptr`` hold the LSEs with -inf already replaced by 0. The logits are rounded
+    ``r_ptr`` / ``cl_ptr`` hold the LSEs; a statistic of -inf (every entry of that row/column
+    excluded) is read as 0, so its probabilities are 0, never NaN. The weight vectors may have
+    stride 0 (one weight for all rows/columns). The logits are rounded
     exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1. With
     ``HAS_POS``, ``p_ptr[i]`` (the upstream gradient of the positive logit ``x_{i, labels_i}``) is
     added to ``G`` at each row's positive, so the loss's positive terms need no pass of their own.
@@ -277,10 +294,12 @@ def _lse_bwd_g_kernel(
     offs_n = j0 + loc_n
     if HAS_ROW:
         r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
-        a = tl.load(a_ptr + offs_m, mask=row_ok, other=0.0)
+        r = tl.where(r == float("-inf"), 0.0, r)
+        a = tl.load(a_ptr + offs_m.to(tl.int64) * stride_a, mask=row_ok, other=0.0)
     if HAS_COL:
         cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-        w = tl.load(w_ptr + offs_n, mask=col_ok, other=0.0)
+        cl = tl.where(cl == float("-inf"), 0.0, cl)
+        w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     in_bounds = row_ok[:, None] & col_ok[None, :]
@@ -311,18 +330,23 @@ def _lse_bwd_g_kernel(
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g = tl.where(valid, g, 0.0)
     if HAS_POS:
-        p = tl.load(p_ptr + offs_m, mask=row_ok, other=0.0)
+        p = tl.load(p_ptr + offs_m.to(tl.int64) * stride_p, mask=row_ok, other=0.0)
         g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
     g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit
-def _pos_logit_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, b, c, stride_q, stride_k,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LABELS: tl.constexpr,
-                      EXACT_MUL: tl.constexpr):
-    """``out[i] = scale * q_i . k_{labels_i}`` in fp32: the positive logits of the loss, read
-    row by row (``O(b c)``), never as a ``[b, c]`` float32 copy."""
+def _positive_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, row_ptr, col_ptr, b, c, stride_q, stride_k,
+                     weight, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LABELS: tl.constexpr,
+                     EXACT_MUL: tl.constexpr, MODE: tl.constexpr):
+    """Positive logits ``pos_i = scale * q_i . k_{labels_i}`` in fp32, read row by row (``O(b c)``,
+    never a ``[b, c]`` float32 copy), rounded like the tile logits.
+
+    ``MODE`` 0 stores ``pos`` at ``out_ptr``; 1 stores this block's share of the one-direction
+    InfoNCE, ``weight * sum_i (row_i - pos_i)``, at ``out_ptr[block]``; 2 the symmetric one,
+    ``weight * sum_i (row_i - pos_i + col_{labels_i} - pos_i)`` (deterministic: one slot a block).
+    """
     pid = tl.program_id(0)
     scale = tl.load(scale_ptr)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -342,7 +366,77 @@ def _pos_logit_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, b, c, stride_q,
         acc += tl.sum(qt * kt, axis=1)
         q_ptrs += BLOCK_K
         k_ptrs += BLOCK_K
-    tl.store(out_ptr + offs_m, _scaled(acc, scale, EXACT_MUL), mask=row_ok)
+    pos = _scaled(acc, scale, EXACT_MUL)
+    if MODE == 0:
+        tl.store(out_ptr + offs_m, pos, mask=row_ok)
+    else:
+        term = tl.load(row_ptr + offs_m, mask=row_ok, other=0.0) - pos
+        if MODE == 2:
+            term += tl.load(col_ptr + lab, mask=row_ok, other=0.0) - pos
+        tl.store(out_ptr + pid, tl.sum(tl.where(row_ok, term, 0.0), axis=0) * weight)
+
+
+@triton.jit
+def _merge_stats_kernel(row_part_ptr, num_splits, b, row_out_ptr, col_max_ptr, col_sum_ptr, num_groups, m,
+                        col_out_ptr, num_row_blocks, BLOCK: tl.constexpr, COMPUTE_COL: tl.constexpr):
+    """The forward's partial statistics into LSE vectors, in one launch: programs below
+    ``num_row_blocks`` merge the ``[S, b]`` row LSEs, the others the ``[G, m]`` column (max, sum
+    of exp) pairs. An entry with nothing to sum stays ``-inf``."""
+    pid = tl.program_id(0)
+    if pid < num_row_blocks:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < b
+        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        for s in range(num_splits):
+            mx = tl.maximum(mx, tl.load(row_part_ptr + s * b + offs, mask=ok, other=float("-inf")))
+        safe = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(num_splits):
+            v = tl.load(row_part_ptr + s * b + offs, mask=ok, other=float("-inf"))
+            tot += tl.exp2((v - safe) * LOG2E)
+        lse = tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
+        tl.store(row_out_ptr + offs, lse, mask=ok)
+    elif COMPUTE_COL:
+        offs = (pid - num_row_blocks) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < m
+        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        for g in range(num_groups):
+            gm = tl.load(col_max_ptr + g * m + offs, mask=ok, other=float("-inf"))
+            gs = tl.load(col_sum_ptr + g * m + offs, mask=ok, other=0.0)
+            mx = tl.maximum(mx, tl.where(gs > 0.0, gm, float("-inf")))
+        safe = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.zeros([BLOCK], dtype=tl.float32)
+        for g in range(num_groups):
+            gm = tl.load(col_max_ptr + g * m + offs, mask=ok, other=float("-inf"))
+            gs = tl.load(col_sum_ptr + g * m + offs, mask=ok, other=0.0)
+            tot += tl.where(gs > 0.0, gs * tl.exp2((gm - safe) * LOG2E), 0.0)
+        lse = tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
+        tl.store(col_out_ptr + offs, lse, mask=ok)
+
+
+@triton.jit
+def _scale_out_kernel(acc_ptr, factor_ptr, out_ptr, own_ptr, ds_ptr, rows, c, stride_own, ds_offset,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_DOT: tl.constexpr):
+    """``out = acc * factor`` (rounded once into the dtype of ``out``; in place when ``out`` is
+    ``acc``) for ``rows`` rows of a float32 accumulator; with ``HAS_DOT`` also this block's share
+    of the scale gradient, ``sum(acc * own)`` (before scaling), at ``ds_ptr[ds_offset + block]``."""
+    pid = tl.program_id(0)
+    factor = tl.load(factor_ptr)
+    offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rows
+    offs_c = tl.arange(0, BLOCK_C)
+    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, c, BLOCK_C):
+        ok = r_ok[:, None] & ((c0 + offs_c) < c)[None, :]
+        idx = offs_r.to(tl.int64)[:, None] * c + (c0 + offs_c)[None, :]
+        acc = tl.load(acc_ptr + idx, mask=ok, other=0.0)
+        if HAS_DOT:
+            own = tl.load(own_ptr + offs_r.to(tl.int64)[:, None] * stride_own + (c0 + offs_c)[None, :],
+                          mask=ok, other=0.0)
+            dot += tl.sum(acc * own.to(tl.float32), axis=1)
+        tl.store(out_ptr + idx, (acc * factor).to(out_ptr.dtype.element_ty), mask=ok)
+    if HAS_DOT:
+        tl.store(ds_ptr + ds_offset + pid, tl.sum(dot, axis=0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,9 +493,9 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
     """Tiles for Hopper (H100/H200), measured in docs/kernels.md; correct on any CUDA GPU.
 
     128 x 128 tiles with a 64-wide K step (32 for fp32, whose operands take twice the shared
-    memory), 8 warps, 3 pipeline stages; 256 x 64 with 4 stages for the 16-bit forward; 64 x 64
-    tiles with 4 warps when the problem has fewer 128-tiles than two per SM (small per-rank
-    batches). The interpreter gets 32 x 32 tiles so that small test shapes still span several
+    memory), 8 warps, 3 pipeline stages; 64 x 128 with 4 warps for the 16-bit backward (three
+    programs fit an SM); 64 x 64 tiles with 4 warps when the problem has fewer 128-tiles than two
+    per SM (small per-rank batches). The interpreter gets 32 x 32 tiles so that small test shapes still span several
     tiles. Measured sweeps: ``python -m ds_infcl.bench.triton_tune``.
     """
     env = _env_config("DS_INFCL_TRITON_" + kind.upper())
@@ -413,10 +507,12 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
     tiles = triton.cdiv(b, 128) * triton.cdiv(m, 128)
     if tiles < 2 * _num_sms(device):
         return _Config(64, 64, bk, 4, 3)
-    if kind == "fwd" and dtype != torch.float32:
-        # 256-row tiles halve the column merges per logit (docs/kernels.md: 3.85 ms against
-        # 3.94 ms for 128 x 128 at b = 32k, c = 512 on H200)
-        return _Config(256, 64, 64, 8, 4)
+    if kind == "bwd" and dtype != torch.float32:
+        # 64 x 128 with 4 warps: 168 registers, 3 programs per SM (docs/kernels.md: backward
+        # 29.4 ms against 30.3 ms for 128 x 128 with 8 warps at b = 65,536, c = 512 on H100)
+        return _Config(64, 128, 64, 4, 3)
+    # 128 x 128, 8 warps: one program per SM (255 registers); 14.7 ms against 14.9 ms for
+    # 256 x 64 in the forward at b = 65,536, c = 512 on H100, 0.325 against 0.336 ms at 8,192
     return _Config(128, 128, bk, 8, 3)
 
 
@@ -492,6 +588,7 @@ def lse_forward_triton(
 
     Same contract as ``ds_infcl.ops.tiled.lse_forward_torch``: all-excluded rows/columns and empty
     inputs give ``-inf``. ``scale`` is a number or a one-element tensor (read on the device).
+    Two launches: the tile kernel and the merge of its partial statistics.
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
@@ -509,10 +606,11 @@ def lse_forward_triton(
     groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, programs)
     kblocks_per_split = triton.cdiv(num_kblocks, splits)
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
-    row_part = torch.empty((splits, b), device=device, dtype=torch.float32)  # every slot is written
+    # Every slot is written by the kernel (column slots on each program's first query block).
+    row_part = torch.empty((splits, b), device=device, dtype=torch.float32)
     if compute_col:
-        col_max = torch.full((groups, m), float("-inf"), device=device, dtype=torch.float32)
-        col_sum = torch.zeros((groups, m), device=device, dtype=torch.float32)
+        col_max = torch.empty((groups, m), device=device, dtype=torch.float32)
+        col_sum = torch.empty((groups, m), device=device, dtype=torch.float32)
     else:
         col_max = col_sum = row_part  # unused pointers
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
@@ -526,19 +624,32 @@ def lse_forward_triton(
             SHARED_SHIFT=SHARED_SHIFT, **cfg.launch_opts(),
             **_kernel_flags(query, c, cfg.block_k),
         )
-    row = _merge(row_part)
-    col = None
-    if compute_col:
-        # max + log(sum) per group (sum 0 -> -inf), then log-sum-exp over the groups
-        col = _merge(col_max.add_(torch.log(col_sum)))
-    return row, col
+        if splits == 1 and not compute_col:
+            return row_part[0], None
+        row = torch.empty((b,), device=device, dtype=torch.float32)
+        col = torch.empty((m,), device=device, dtype=torch.float32) if compute_col else row
+        block = 32 if device.type != "cuda" else 256
+        row_blocks = triton.cdiv(b, block)
+        grid = row_blocks + (triton.cdiv(m, block) if compute_col else 0)
+        _merge_stats_kernel[(grid,)](
+            row_part, splits, b, row, col_max, col_sum, groups, m, col, row_blocks,
+            BLOCK=block, COMPUTE_COL=compute_col, num_warps=4,
+        )
+    return row, (col if compute_col else None)
 
 
-def _merge(part: torch.Tensor) -> torch.Tensor:
-    """LSE over dim 0 of partial LSEs (``-inf`` rows stay ``-inf``)."""
-    if part.shape[0] == 1:
-        return part[0]
-    return torch.logsumexp(part, dim=0)
+def _positive_launch(query, key, scale_t, labels, out, row, col, weight, mode):
+    b, c = query.shape
+    lab, has_labels = _labels_arg(query, labels, True)
+    block_m, block_k = (32, 32) if query.device.type != "cuda" else (64, 128)
+    block_k = min(block_k, max(16, triton.next_power_of_2(c)))
+    with _on_device(query):
+        _positive_kernel[(triton.cdiv(b, block_m),)](
+            query, key, lab, out, scale_t, row, col, b, c, query.stride(0), key.stride(0), weight,
+            BLOCK_M=block_m, BLOCK_K=block_k, HAS_LABELS=has_labels,
+            EXACT_MUL=_kernel_flags(query, c, block_k)["EXACT_MUL"], MODE=mode, num_warps=4,
+        )
+    return block_m
 
 
 def positive_logits_triton(
@@ -550,30 +661,43 @@ def positive_logits_triton(
     """``[b]`` float32 positive logits ``scale * q_i . k_{labels_i}`` (default labels: the
     diagonal, which needs ``m >= b``), rounded like the tile logits; no autograd."""
     query, key = _check_inputs(query, key)
-    b, c = query.shape
-    out = torch.empty((b,), device=query.device, dtype=torch.float32)
-    if b == 0:
-        return out
-    lab, has_labels = _labels_arg(query, labels, True)
-    block_m, block_k = (32, 32) if query.device.type != "cuda" else (64, 128)
-    block_k = min(block_k, max(16, triton.next_power_of_2(c)))
-    with _on_device(query):
-        _pos_logit_kernel[(triton.cdiv(b, block_m),)](
-            query, key, lab, out, _scale_arg(scale, query.device), b, c, query.stride(0), key.stride(0),
-            BLOCK_M=block_m, BLOCK_K=block_k, HAS_LABELS=has_labels,
-            EXACT_MUL=_kernel_flags(query, c, block_k)["EXACT_MUL"], num_warps=4,
-        )
+    out = torch.empty((query.shape[0],), device=query.device, dtype=torch.float32)
+    if query.shape[0]:
+        _positive_launch(query, key, _scale_arg(scale, query.device), labels, out, out, out, 0.0, 0)
     return out
+
+
+def infonce_forward_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Union[float, torch.Tensor],
+    labels: Optional[torch.Tensor] = None,
+    *,
+    symmetric: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(loss [], row_lse [b], col_lse [m] or None)``: the InfoNCE of ``ds_infcl.ops.infonce`` on
+    one device in four launches (tiles, merge, positive logits with the loss's block shares,
+    their sum)."""
+    query, key = _check_inputs(query, key)
+    b = query.shape[0]
+    s_t = _scale_arg(scale, query.device)
+    row, col = lse_forward_triton(query, key, s_t, compute_col=symmetric)
+    parts = torch.empty((triton.cdiv(b, 32),), device=query.device, dtype=torch.float32)
+    block = _positive_launch(query, key, s_t, labels, parts, row, col if symmetric else row,
+                             (0.5 if symmetric else 1.0) / b, 2 if symmetric else 1)
+    return parts[: triton.cdiv(b, block)].sum(), row, col
 
 
 # --------------------------------------------------------------------------------------------
 # Backward launcher
 # --------------------------------------------------------------------------------------------
 
-_ADDMM_OUT_DTYPE: Optional[bool] = None  # does torch.addmm(..., out_dtype=float32, out=acc) work here?
+_ADDMM_OUT_DTYPE: Optional[bool] = None  # does torch.addmm(..., beta=0, out_dtype=float32, out=acc) work here?
 
 
 def _addmm_out_dtype_works(device: torch.device) -> bool:
+    """Probe (once per process) for cuBLAS products of 16-bit operands accumulated into float32
+    in place, with ``beta=0`` ignoring the (uninitialized) accumulator."""
     global _ADDMM_OUT_DTYPE
     if _ADDMM_OUT_DTYPE is None:
         try:
@@ -582,22 +706,28 @@ def _addmm_out_dtype_works(device: torch.device) -> bool:
             acc = torch.randn(64, 16, device=device, dtype=torch.float32)
             want = acc + a.float() @ w.float()
             torch.addmm(acc, a, w, out_dtype=torch.float32, out=acc)
-            _ADDMM_OUT_DTYPE = bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+            ok = torch.allclose(acc, want, rtol=1e-4, atol=1e-4)
+            acc.fill_(float("nan"))
+            torch.addmm(acc, a, w, beta=0, out_dtype=torch.float32, out=acc)
+            _ADDMM_OUT_DTYPE = bool(ok and torch.allclose(acc, a.float() @ w.float(), rtol=1e-4, atol=1e-4))
         except (RuntimeError, TypeError, NotImplementedError):
             _ADDMM_OUT_DTYPE = False
     return _ADDMM_OUT_DTYPE
 
 
-def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
-    """``acc += a @ w`` with fp32 accumulation and fp32 ``acc`` whatever the dtype of ``a``, ``w``."""
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, w: torch.Tensor, first: bool) -> None:
+    """``acc = a @ w`` (``first``: ``acc`` is uninitialized and ignored) or ``acc += a @ w``, with
+    fp32 accumulation and fp32 ``acc`` whatever the dtype of ``a``, ``w``."""
+    beta = 0 if first else 1
     if a.dtype == torch.float32:
-        acc.addmm_(a, w)
+        torch.addmm(acc, a, w, beta=beta, out=acc)
     elif acc.device.type == "cuda" and _addmm_out_dtype_works(acc.device):
-        torch.addmm(acc, a, w, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, w, beta=beta, out_dtype=torch.float32, out=acc)
     elif acc.device.type == "cuda":
-        acc.add_(torch.mm(a, w, out_dtype=torch.float32))
+        prod = torch.mm(a, w, out_dtype=torch.float32)
+        acc.copy_(prod) if first else acc.add_(prod)
     else:
-        acc.addmm_(a.float(), w.float())
+        torch.addmm(acc, a.float(), w.float(), beta=beta, out=acc)
 
 
 def _grad_scale(*weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -616,6 +746,50 @@ def _chunks(align: int) -> Tuple[int, int]:
     env = os.environ.get("DS_INFCL_TRITON_CHUNK")
     r, c = (int(v) for v in env.lower().split("x")) if env else (CHUNK_ROWS, CHUNK_COLS)
     return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align
+
+
+def _fit_budget(b: int, m: int, c: int, rows: int, cols: int, g_dtype: torch.dtype, align: int) -> Tuple[int, int]:
+    """Narrow the column blocks of G (balanced, multiples of ``align``, at least
+    ``MIN_CHUNK_COLS``) until the backward's scratch fits ``SCRATCH_BUDGET``, where that is within
+    reach; beyond it the blocks keep their full size (speed). With rows outer
+    (``m <= b``) the whole float32 accumulator is ``dk`` (``m c``) and the chunk one ``rows c``;
+    otherwise the roles swap, and the rows of G are the narrowed side."""
+    full, chunk_side = (m, rows) if m <= b else (b, cols)
+    fixed = (full + chunk_side) * c * 4
+    per_elem = torch.finfo(g_dtype).bits // 8
+    inner, inner_len = (cols, m) if m <= b else (rows, b)
+    other = rows if m <= b else cols
+    if fixed + other * min(inner, MIN_CHUNK_COLS) * per_elem > SCRATCH_BUDGET:
+        return rows, cols  # out of reach (the whole accumulator alone is too large): keep speed
+    pieces = triton.cdiv(inner_len, inner)
+    while inner > MIN_CHUNK_COLS and fixed + rows * cols * per_elem > SCRATCH_BUDGET:
+        pieces += 1
+        inner = max(MIN_CHUNK_COLS, triton.cdiv(triton.cdiv(inner_len, pieces), align) * align)
+        rows, cols = (rows, inner) if m <= b else (inner, cols)
+    return rows, cols
+
+
+def _scale_out(acc, factor, out, own, ds_parts, ds_offset, block_r):
+    """``out = acc * factor`` (cast to ``out``'s dtype) and, with ``own``, the scale-gradient shares
+    ``sum(acc * own)`` of each ``block_r`` rows at ``ds_parts[ds_offset:]``."""
+    rows, c = acc.shape
+    with _on_device(acc):
+        _scale_out_kernel[(triton.cdiv(rows, block_r),)](
+            acc, factor, out, own if own is not None else acc, ds_parts if ds_parts is not None else acc, rows, c,
+            own.stride(0) if own is not None else c, ds_offset,
+            BLOCK_R=block_r, BLOCK_C=min(128, max(16, triton.next_power_of_2(c))), HAS_DOT=own is not None,
+            num_warps=4,
+        )
+
+
+def _weight_arg(w: torch.Tensor, gs: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
+    """A float32 weight vector (stride 0 allowed: one weight for all) and its stride."""
+    w = w.float()
+    if gs is not None:
+        w = w * gs
+    if w.dim() != 1:
+        raise ValueError(f"upstream gradients must be 1-D, got shape {tuple(w.shape)}")
+    return w, w.stride(0)
 
 
 def lse_backward_triton(
@@ -637,10 +811,11 @@ def lse_backward_triton(
     is the logit of query i with its positive key ``labels_i`` (default the diagonal).
 
     ``row_lse`` / ``col_lse`` may be global statistics of a larger matrix (ring blocks); each
-    tile is recomputed once. ``dq`` / ``dk`` are float32 (what the ring accumulates across
-    blocks), or ``out_dtype`` when given: then the smaller side keeps a whole float32 accumulator
-    and the other side a float32 accumulator of one chunk, written out in ``out_dtype`` when its
-    chunk is done. Scratch: one ``CHUNK_ROWS x CHUNK_COLS`` block of ``G``.
+    tile is recomputed once. The upstream gradients may be expanded (stride-0) vectors.
+    ``dq`` / ``dk`` are float32 (what the ring accumulates across blocks), or ``out_dtype`` when
+    given: then the smaller side keeps a whole float32 accumulator and the other side a float32
+    accumulator of one chunk, written out in ``out_dtype`` when its chunk is done. Scratch: one
+    ``CHUNK_ROWS x CHUNK_COLS`` block of ``G`` and that chunk accumulator.
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
@@ -656,18 +831,16 @@ def lse_backward_triton(
     s_t = _scale_arg(scale, device)
     # fp16 G needs its weights brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
     gs = _grad_scale(grad_row, grad_col, grad_pos) if query.dtype == torch.float16 else None
-
-    def weights(w: torch.Tensor) -> torch.Tensor:
-        w = w.float()
-        return (w * gs if gs is not None else w).contiguous()
-
     r2 = a = cl2 = w = p = s_t  # placeholders for absent terms (never read)
+    sa = sw = sp = 0
     if has_row:
-        r2, a = _finite_or_zero(row_lse.float()).contiguous(), weights(grad_row)
+        r2 = row_lse.float().contiguous()
+        a, sa = _weight_arg(grad_row, gs)
     if has_col:
-        cl2, w = _finite_or_zero(col_lse.float()).contiguous(), weights(grad_col)
+        cl2 = col_lse.float().contiguous()
+        w, sw = _weight_arg(grad_col, gs)
     if has_pos:
-        p = weights(grad_pos)
+        p, sp = _weight_arg(grad_pos, gs)
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
@@ -679,25 +852,27 @@ def lse_backward_triton(
     if g_dtype == f32:
         chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
     chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
+    if out_dtype is not None and not os.environ.get("DS_INFCL_TRITON_CHUNK"):
+        chunk_rows, chunk_cols = _fit_budget(b, m, c, chunk_rows, chunk_cols, g_dtype, align)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
     factor = s_t / gs if gs is not None else s_t
     # Loop order: the outer side is the one whose accumulator is chunked (with out_dtype).
     rows_outer = out_dtype is None or m <= b
     full_q = out_dtype is None or not rows_outer
     full_k = out_dtype is None or rows_outer
-    dq = torch.zeros((b, c), device=device, dtype=f32) if full_q else torch.empty((b, c), device=device, dtype=out_dtype)
-    dk = torch.zeros((m, c), device=device, dtype=f32) if full_k else torch.empty((m, c), device=device, dtype=out_dtype)
+    dq = torch.empty((b, c), device=device, dtype=f32 if full_q else out_dtype)
+    dk = torch.empty((m, c), device=device, dtype=f32 if full_k else out_dtype)
     n_outer, n_inner = (b, m) if rows_outer else (m, b)
     step_outer, step_inner = (chunk_rows, chunk_cols) if rows_outer else (chunk_cols, chunk_rows)
     part = None if out_dtype is None else torch.empty((step_outer, c), device=device, dtype=f32)
-    # dscale = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i = sum_j k_j . (G^T q)_j, from the float32
-    # accumulator before it is scaled (chunk by chunk on the chunked side).
-    dscale = torch.zeros((), device=device, dtype=f32)
+    # dscale = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i = sum_j k_j . (G^T q)_j: shares of
+    # block_r rows of the float32 accumulator before it is scaled, on the side whose rows are
+    # complete first (the chunked side; dq when both are whole), summed once at the end.
+    block_r = 32
+    ds_parts = torch.empty((triton.cdiv(max(b, m), block_r),), device=device, dtype=f32)
     for o0 in range(0, n_outer, step_outer):
         on = min(step_outer, n_outer - o0)
-        if part is not None:
-            acc = part[:on]
-            acc.zero_()
+        acc = part[:on] if part is not None else None
         for x0 in range(0, n_inner, step_inner):
             xn = min(step_inner, n_inner - x0)
             i0, rows, j0, cols = (o0, on, x0, xn) if rows_outer else (x0, xn, o0, on)
@@ -706,7 +881,7 @@ def lse_backward_triton(
             with _on_device(query):
                 _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
                     query, key, lab, r2, a, cl2, w, p, g, s_t,
-                    i0, j0, rows, cols, c, query.stride(0), key.stride(0),
+                    i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp,
                     BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
                     HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,
@@ -714,22 +889,34 @@ def lse_backward_triton(
             q_op, k_op = query[i0:i0 + rows], key[j0:j0 + cols]
             if flags["UPCAST"]:
                 q_op, k_op = q_op.float(), k_op.float()
-            _addmm_f32(dq[i0:i0 + rows] if full_q else acc, g, k_op)
-            _addmm_f32(dk[j0:j0 + cols] if full_k else acc, g.t(), q_op)
+            # The first product into a slice overwrites it (beta = 0): no zero fills.
+            if full_q:
+                _addmm_f32(dq[i0:i0 + rows], g, k_op, first=(j0 == 0))
+            else:
+                _addmm_f32(acc, g, k_op, first=(x0 == 0))
+            if full_k:
+                _addmm_f32(dk[j0:j0 + cols], g.t(), q_op, first=(i0 == 0))
+            else:
+                _addmm_f32(acc, g.t(), q_op, first=(x0 == 0))
         if part is not None:
             out, own = (dq, query) if rows_outer else (dk, key)
-            torch.mul(acc, factor, out=out[o0:o0 + on])  # rounded once, into out_dtype
-            dscale += acc.mul_(own[o0:o0 + on]).sum()
-    if out_dtype is None:  # both accumulators are whole: dscale from dq, a bounded chunk at a time
-        for i0 in range(0, b, chunk_rows):
-            dscale += (dq[i0:i0 + chunk_rows] * query[i0:i0 + chunk_rows]).sum()
+            _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on], ds_parts, o0 // block_r, block_r)
     if full_q:
-        dq = dq.mul_(factor).to(res_dtype)
+        if out_dtype is None:  # both whole: the scale gradient from dq
+            _scale_out(dq, factor, dq, query, ds_parts, 0, block_r)
+        else:
+            dq = _scale_out_new(dq, factor, res_dtype, block_r)
     if full_k:
-        dk = dk.mul_(factor).to(res_dtype)
+        if out_dtype is None:
+            _scale_out(dk, factor, dk, None, ds_parts, 0, block_r)
+        else:
+            dk = _scale_out_new(dk, factor, res_dtype, block_r)
+    dscale = ds_parts[: triton.cdiv(b if (out_dtype is None or rows_outer) else m, block_r)].sum()
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
 
-def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
-    # -inf (every entry excluded) must give probability 0: exp2(-inf - 0) = 0, not NaN.
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+def _scale_out_new(acc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, block_r: int) -> torch.Tensor:
+    """``(acc * factor).to(dtype)`` in one launch (in place when ``dtype`` is float32)."""
+    out = acc if dtype == acc.dtype else torch.empty(acc.shape, device=acc.device, dtype=dtype)
+    _scale_out(acc, factor, out, None, None, 0, block_r)
+    return out

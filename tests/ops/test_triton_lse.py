@@ -211,3 +211,21 @@ def test_one_exponential_backward_equals_two(monkeypatch, dtype, normalize, scal
     tol = 2e-6 if dtype == torch.float32 else 1e-4
     for name, x, y in zip(("dquery", "dkey", "dscale"), one, two):
         assert rel_err(x, y) <= tol, f"{name}: {rel_err(x, y):.2e}"
+
+
+@pytest.mark.parametrize("b,m,c", [(65536, 65536, 512), (8192, 8192, 512), (262144, 262144, 512),
+                                   (65536, 65536, 1024), (4096, 65536, 512), (32768, 32768, 768)])
+def test_backward_blocks_fit_the_scratch_budget(b, m, c):
+    # The block of G narrows (balanced, tile-aligned) until the scratch of a dtype-out backward
+    # fits SCRATCH_BUDGET, where that is reachable; otherwise blocks keep their full size.
+    rows, cols = triton_lse._fit_budget(b, m, c, min(b, 8192), min(m, 8192), torch.bfloat16, 256)
+    full, chunk = (m, rows) if m <= b else (b, cols)
+    scratch = (full + chunk) * c * 4 + rows * cols * 2
+    reachable = (full + chunk) * c * 4 + 8192 * triton_lse.MIN_CHUNK_COLS * 2 <= triton_lse.SCRATCH_BUDGET
+    assert rows % 256 == 0 and cols % 256 == 0 or (rows, cols) == (min(b, 8192), min(m, 8192))
+    if reachable:
+        assert scratch <= triton_lse.SCRATCH_BUDGET
+    else:
+        assert (rows, cols) == (min(b, 8192), min(m, 8192))
+    if (b, m, c) == (65536, 65536, 512):  # issue 3's memory target: under 0.25 GiB
+        assert scratch < 0.25 * 2**30 and (rows, cols) == (8192, 6144)
