@@ -37,6 +37,36 @@ def step():
 
 
 print(f"loss fwd+bwd (events) {bench(step):.3f} ms")
+
+
+def host_ms(fn, n=25):
+    """Median host time to issue ``fn`` (nothing in it waits for the GPU)."""
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(ts)[n // 2] * 1e3
+
+
+tiny = torch.zeros(4, 8, device="cuda")
+fac = torch.ones(1, device="cuda")
+loss = contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False)
+layers = {
+    "aten op (tiny mul_)": lambda: tiny.mul_(1.0),
+    "bare Triton launch (tiny _scale_out)": lambda: T._scale_out(tiny, fac, tiny, None, None, 0, 32),
+    "lse_forward_triton": lambda: T.lse_forward_triton(q.detach(), k.detach(), s),
+    "infonce_forward_triton": lambda: T.infonce_forward_triton(q.detach(), k.detach(), s, symmetric=True),
+    "lse_backward_triton (loss weights)": lambda: T.lse_backward_triton(
+        q.detach(), k.detach(), s, row, col, gr, gc, grad_pos=gp, out_dtype=q.dtype),
+    "contrastive_loss forward": lambda: contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False),
+    "loss.backward (retain_graph)": lambda: loss.backward(retain_graph=True),
+}
+for name, fn in layers.items():
+    fn()
+    print(f"host time {name}: {host_ms(fn):.3f} ms")
 issue = []
 for _ in range(30):
     torch.cuda.synchronize()
@@ -68,5 +98,5 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, tor
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50))
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
