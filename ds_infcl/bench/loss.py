@@ -6,7 +6,10 @@ textbook loss with ``b x m`` logits in the input dtype). Square batches (``m = b
 loss, CLIP-like normalized features, scale 14.3.
 
 Modes: ``forward`` (the loss value, with autograd recording), ``backward`` (``loss.backward()``
-alone), ``total`` (both, one timed region). Times are medians of CUDA-event timings (with 20/80
+alone), ``total`` (both, one timed region), ``graph`` (the ``total`` step captured once in a CUDA
+graph and replayed: the GPU's own time, without the host's launch overhead, which is what the
+step costs inside a training step whose host runs ahead of the GPU, or under
+``torch.compile(mode="reduce-overhead")``; a provider whose step cannot be captured gets a note). Times are medians of CUDA-event timings (with 20/80
 percentiles); TFLOP/s counts ``8 b m c`` for total, ``2 b m c`` for forward, ``6 b m c`` for
 backward; ``pct_matmul`` compares with the bf16 matmul rate (8192^3 ``torch.mm``) measured at the
 start of the same run. Each step starts with the gradients set to ``None`` (``zero_grad``'s
@@ -34,8 +37,8 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("triton", "torch", "materialized")
-MODES = ("forward", "backward", "total")
-FLOPS_PER_PAIR = {"forward": 2, "backward": 6, "total": 8}
+MODES = ("forward", "backward", "total", "graph")
+FLOPS_PER_PAIR = {"forward": 2, "backward": 6, "total": 8, "graph": 8}
 FIELDS = ["gpu", "date", "provider", "b", "c", "dtype", "mode", "median_ms", "p20_ms", "p80_ms",
           "tflops", "pct_matmul", "ideal_ms", "extra_gib", "matmul_tflops", "note"]
 
@@ -124,9 +127,16 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
     torch.cuda.synchronize()
     grads = sum(t.grad.numel() * t.grad.element_size() for t in (q, k, scale))
     extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
-    results = {}
+    results, notes = {}, {}
     if "total" in modes:
         results["total"] = _time(total, reps, warmup)
+    if "graph" in modes:
+        try:
+            graph = _capture(total)
+            results["graph"] = _time(graph.replay, reps, warmup)
+        except RuntimeError as err:  # not capturable: say so in the row
+            notes["graph"] = f"graph capture failed: {str(err).splitlines()[0][:80]}"
+            torch.cuda.synchronize()
     if "forward" in modes:
         results["forward"] = _time(lambda: fn(q, k, scale), reps, warmup)
     if "backward" in modes:
@@ -144,6 +154,11 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
                 times.append(s.elapsed_time(e))
         results["backward"] = times
     for mode in modes:
+        if mode in notes:
+            rows.append(dict(provider=provider, b=b, c=c, dtype=_dtype_name(dtype), mode=mode, median_ms="",
+                             p20_ms="", p80_ms="", tflops="", pct_matmul="", ideal_ms="", extra_gib="",
+                             note=notes[mode]))
+            continue
         t = results[mode]
         med = _quantile(t, 0.5)
         flops = FLOPS_PER_PAIR[mode] * b * b * c
@@ -157,6 +172,20 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
     del q, k, scale
     torch.cuda.empty_cache()
     return rows
+
+
+def _capture(step):
+    """``step`` captured in a CUDA graph (after warm-up on a side stream, as PyTorch requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def _dtype_name(dtype):

@@ -474,10 +474,16 @@ EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
 ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
 
 
+_NUM_SMS: dict = {}
+
+
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a few programs, enough to exercise the splits and groups
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs, enough to exercise the splits and groups
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def _env_config(name: str) -> Optional[_Config]:
