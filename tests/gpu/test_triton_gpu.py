@@ -161,17 +161,19 @@ def test_loss_step_host_syncs(check_finite, with_labels, expected):
     assert len(syncs) == expected, syncs
 
 
-@pytest.mark.parametrize("symmetric,with_labels", [(True, False), (False, True)])
-def test_loss_step_is_cuda_graph_capturable(symmetric, with_labels):
-    """A whole loss step (forward + backward, learnable scale, no input checks) captures in a CUDA
-    graph; replayed on new inputs it gives what eager gives on them (the small-batch path: the
-    host's launch overhead disappears, as under torch.compile(mode="reduce-overhead"))."""
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_loss_step_is_cuda_graph_capturable(symmetric):
+    """A whole loss step (forward + backward, learnable scale, no input checks, diagonal labels)
+    captures in a CUDA graph; replayed on new inputs it gives what eager gives on them (the
+    small-batch path: the host's launch overhead disappears, as under
+    torch.compile(mode="reduce-overhead")). Explicit labels are range-checked on the host, one
+    readback per call, which a capture cannot contain."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    b, m, c = 8192, 8192 if symmetric else 12288, 512
+    b, m, c = 8192, 8192 if symmetric else 12288, 512  # one direction: hard negatives after the positives
     q = torch.randn(b, c, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     k = torch.randn(m, c, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     s = torch.tensor(14.3, device="cuda", requires_grad=True)
-    labels = torch.randint(0, m, (b,), device="cuda", generator=g) if with_labels else None
+    labels = None
     out = {}
 
     def step():
@@ -203,4 +205,4 @@ def test_loss_step_is_cuda_graph_capturable(symmetric, with_labels):
     # capture could round differently (then a bf16 gradient moves by an ulp here and there).
     for name, x, y in zip(["loss", "dq", "dk", "dscale"], replayed, eager):
         assert rel_err(x, y) <= (1e-6 if name in ("loss", "dscale") else 1e-3), f"{name}: {rel_err(x, y):.1e}"
-    print(f"\ngraph replay == eager (symmetric={symmetric}, labels={with_labels}): loss {eager[0].item():.5f}")
+    print(f"\ngraph replay == eager (symmetric={symmetric}, m={m}): loss {eager[0].item():.5f}")
