@@ -132,7 +132,7 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
         results["total"] = _time(total, reps, warmup)
     if "graph" in modes:
         try:
-            graph = _capture(total)
+            graph = capture_graph(total)
             results["graph"] = _time(graph.replay, reps, warmup)
         except RuntimeError as err:  # not capturable: say so in the row
             notes["graph"] = f"graph capture failed: {str(err).splitlines()[0][:80]}"
@@ -174,7 +174,7 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
     return rows
 
 
-def _capture(step):
+def capture_graph(step) -> "torch.cuda.CUDAGraph":
     """``step`` captured in a CUDA graph (after warm-up on a side stream, as PyTorch requires)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

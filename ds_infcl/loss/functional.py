@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
-from ds_infcl.ops import infonce_loss, labels_or_diagonal, tiled_lse
+from ds_infcl.ops import compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
 from ds_infcl.ops.validation import check_inputs
 from ds_infcl.ring import agree_on_input_errors, group_size
 
@@ -96,26 +96,6 @@ def lse(
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):
     """``[b]`` float32 logits of each query with its positive key: ``scale * q_i . k_{labels_i}``."""
     return scale * (query.float() * key[labels].float()).sum(dim=1)
-
-
-def compose_infonce(
-    row_lse: torch.Tensor,
-    col_lse: Optional[torch.Tensor],
-    pos: torch.Tensor,
-    labels: torch.Tensor,
-    num_queries: int,
-    symmetric: bool,
-) -> torch.Tensor:
-    """This rank's share of the InfoNCE loss: local sums divided by the global query count.
-
-    One direction: ``sum_i (row_lse_i - pos_i) / B``; symmetric adds the key-to-query term of each
-    query's positive key, ``sum_i (col_lse_{labels_i} - pos_i) / B``, and halves the sum. The
-    shares of all ranks add up to the global loss.
-    """
-    loss = (row_lse - pos).sum() / num_queries
-    if symmetric:
-        loss = (loss + (col_lse[labels] - pos).sum() / num_queries) / 2
-    return loss
 
 
 @register_loss_impl("infcl")

@@ -7,6 +7,7 @@ from ds_infcl.ops.infonce import InfoNCEFunction, infonce_loss
 from ds_infcl.ops.lse import (
     BACKENDS,
     TiledLSEFunction,
+    compose_infonce,
     lse_backward,
     lse_forward,
     positive_logits_forward,
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_TILE",
     "InfoNCEFunction",
     "TiledLSEFunction",
+    "compose_infonce",
     "contrastive_loss_reference",
     "default_tile_size",
     "infonce_loss",

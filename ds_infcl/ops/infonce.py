@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from ds_infcl.ops.lse import infonce_forward, lse_backward, resolve_backend
+from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, resolve_backend
 
-__all__ = ["InfoNCEFunction", "infonce_loss"]
+__all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce"]
 
 
 class InfoNCEFunction(torch.autograd.Function):

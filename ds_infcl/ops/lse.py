@@ -31,6 +31,7 @@ __all__ = [
     "lse_backward",
     "positive_logits_forward",
     "infonce_forward",
+    "compose_infonce",
     "TiledLSEFunction",
     "tiled_lse",
 ]
@@ -168,14 +169,30 @@ def infonce_forward(
         from ds_infcl.ops.triton_lse import infonce_forward_triton
 
         return infonce_forward_triton(query, key, scale, labels, symmetric=symmetric)
-    b = query.shape[0]
     row, col = lse_forward(query, key, scale, compute_col=symmetric, backend=backend, tile_size=tile_size)
     pos = positive_logits_forward(query, key, scale, labels, backend=backend, tile_size=tile_size)
-    loss = (row - pos).sum()
+    return compose_infonce(row, col, pos, labels, query.shape[0], symmetric), row, col
+
+
+def compose_infonce(
+    row_lse: torch.Tensor,
+    col_lse: Optional[torch.Tensor],
+    pos: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    num_queries: int,
+    symmetric: bool,
+) -> torch.Tensor:
+    """This rank's share of the InfoNCE loss: local sums divided by the global query count.
+
+    One direction: ``sum_i (row_lse_i - pos_i) / B``; symmetric adds the key-to-query term of each
+    query's positive key, ``sum_i (col_lse_{labels_i} - pos_i) / B`` (``labels=None``: key i), and
+    halves the sum. The shares of all ranks add up to the global loss. Differentiable.
+    """
+    loss = (row_lse - pos).sum() / num_queries
     if symmetric:
-        col_pos = col[:b] if labels is None else col[labels]
-        loss = (loss + (col_pos - pos).sum()) / 2
-    return loss / b, row, col
+        col_pos = col_lse[: pos.shape[0]] if labels is None else col_lse[labels]
+        loss = (loss + (col_pos - pos).sum() / num_queries) / 2
+    return loss
 
 
 class TiledLSEFunction(torch.autograd.Function):

@@ -17,22 +17,31 @@ Kernels and launchers, in reading order:
   ``[BLOCK_M, BLOCK_N]`` tile is one GEMM (fp32 accumulation, K-loop over ``c``) whose epilogue
   updates the running row statistics (registers) *and* the column (max, sum of exp) of the tile,
   merged into the program's own row of ``[G, m]`` buffers (read-modify-write without atomics: no
-  other program touches that slot). One exponential per logit serves both directions (a
-  tile-wide shift, ``_tile_stats_shared``, with an exact fallback). Row results land in a
-  ``[S, b]`` buffer; the host merges both with ``logsumexp``. Scratch is ``(2 G m + S b)``
-  floats with ``G * S`` about one program per SM, so it stays linear in ``b + m`` (never
-  ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
-  every SM.
+  other program touches that slot; the program's first query block starts it, so the buffers
+  need no fill). One exponential per logit serves both directions (a tile-wide shift,
+  ``_tile_stats``, with an exact fallback). Row results land in a ``[S, b]`` buffer, and
+  ``_merge_stats_kernel`` merges both kinds of partials in one launch. Scratch is
+  ``(2 G m + S b)`` floats with ``G * S`` about one program per SM, so it stays linear in
+  ``b + m`` (never ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b``
+  (1,024) busy on every SM.
 * ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
-  pre-scaled by a power of two so fp16 does not underflow) for a bounded block of
-  ``CHUNK_ROWS x CHUNK_COLS`` pairs, plus the per-tile partial sums of ``G * (q . k)`` that give
-  ``ds``. The two remaining products ``dq += G @ k`` and ``dk += G^T @ q`` of that block run on
-  the vendor GEMM (``torch.mm``) with fp32 accumulation and fp32 output. Why not accumulate
-  ``dq``/``dk`` inside the tile kernel: with ``c`` up to 1,024 neither ``[BLOCK, c]`` accumulator
-  fits in registers, so a fused kernel must add ``(BLOCK_M + BLOCK_N) * c`` fp32 values to global
-  memory per tile (atomics or read-modify-write), 137 GB of traffic at b = m = 65,536, c = 512
-  with 128 x 128 tiles, against ~30 GB (write ``G`` once, read it twice) for the chunked form. See
-  docs/kernels.md for the measured comparison.
+  pre-scaled by a power of two in fp16, which would underflow) for a bounded block of
+  ``CHUNK_ROWS x CHUNK_COLS`` pairs; both directions take one exponential per logit (per-row and
+  per-column factors, range-checked per tile); the loss's positive terms are added to ``G`` at
+  each row's positive. The two products ``dq += G @ k`` and ``dk += G^T @ q`` of that block run
+  on the vendor GEMM with fp32 accumulation into fp32 (the first product into a slice overwrites
+  it: no zero fills). Why not accumulate ``dq``/``dk`` inside the tile kernel: with ``c`` up to
+  1,024 neither ``[BLOCK, c]`` accumulator fits in registers, so a fused kernel must add
+  ``(BLOCK_M + BLOCK_N) * c`` fp32 values to global memory per tile (atomics or
+  read-modify-write), 137 GB of traffic at b = m = 65,536, c = 512 with 128 x 128 tiles, against
+  ~30 GB (write ``G`` once, read it twice) for the chunked form (docs/kernels.md).
+* ``_scale_out_kernel``: a float32 accumulator times ``scale`` into the output dtype, with the
+  shares of ``ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i`` from the same read.
+* ``_positive_kernel``: the positive logits ``x_{i, labels_i}``, or directly each block's share
+  of the InfoNCE value (``infonce_forward_triton``).
+
+The scale is read by the kernels through a pointer (a learnable scale costs no host sync), and a
+loss step launches nothing that waits for the GPU: it can be captured in a CUDA graph.
 
 fp32 inputs use full-precision fp32 dot products unless ``DS_INFCL_ALLOW_TF32=1`` is set in the
 environment (then ``tl.dot`` uses TF32; the backward ``torch.mm`` products follow

@@ -15,6 +15,7 @@ import time
 import torch
 import triton
 
+from ds_infcl.bench.loss import capture_graph
 from ds_infcl.loss import contrastive_loss
 from ds_infcl.ops import triton_lse as T
 
@@ -78,16 +79,7 @@ print(f"host time to issue one step: median {sorted(issue)[15]:.3f} ms")
 
 # The same step from a CUDA graph: the GPU's own time, without the host.
 try:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    q.grad = k.grad = s.grad = None
-    with torch.cuda.graph(graph):
-        contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False).backward()
+    graph = capture_graph(step)
     print(f"GPU time of one step (graph replay) {bench(graph.replay):.3f} ms")
 except Exception as err:  # capture can fail on older stacks; the rest of the probe still stands
     print(f"graph capture failed: {type(err).__name__}: {str(err)[:200]}")

@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0", allow_module_level=True)
 
+from ds_infcl.bench.loss import capture_graph  # noqa: E402
 from ds_infcl.loss import contrastive_loss  # noqa: E402
 from ds_infcl.ops import contrastive_loss_reference, lse_reference  # noqa: E402
 from ds_infcl.ops import triton_lse  # noqa: E402
@@ -182,15 +183,7 @@ def test_loss_step_is_cuda_graph_capturable(symmetric):
         loss.backward()
         out["loss"] = loss
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     static = (out["loss"], q.grad, k.grad, s.grad)
     with torch.no_grad():  # new inputs into the captured tensors
         q.copy_(torch.randn(b, c, device="cuda", generator=g))
