@@ -154,12 +154,11 @@ def lse_backward_torch(
     cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
     a = grad_row.float() if grad_row is not None else None
     bw = grad_col.float() if grad_col is not None else None
+    col_starts = range(0, m, tile_m) if (a is not None or bw is not None) else ()  # LSE terms?
     for i0 in range(0, b, tile_b):
         i1 = min(i0 + tile_b, b)
         q_i = qf[i0:i1]
-        for j0 in range(0, m, tile_m):
-            if a is None and bw is None:
-                break
+        for j0 in col_starts:
             j1 = min(j0 + tile_m, m)
             k_j = kf[j0:j1]
             x = _tile_logits(q_i, k_j, scale, lab, exclude_positive, i0, i1, j0, j1)

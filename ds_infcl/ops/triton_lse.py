@@ -386,40 +386,43 @@ def _positive_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, row_ptr, col_ptr
 
 
 @triton.jit
+def _merge_parts(max_ptr, sum_ptr, num_parts, n, offs, ok, HAS_SUM: tl.constexpr):
+    """LSE over ``num_parts`` partial statistics of ``n`` entries: the partials are LSE values
+    (``HAS_SUM`` false) or (max, sum of exp(x - max)) pairs, where a sum of 0 means nothing was
+    summed. An entry with nothing to sum stays ``-inf``."""
+    mx = tl.full(offs.shape, float("-inf"), dtype=tl.float32)
+    for p in range(num_parts):
+        v = tl.load(max_ptr + p * n + offs, mask=ok, other=float("-inf"))
+        if HAS_SUM:
+            v = tl.where(tl.load(sum_ptr + p * n + offs, mask=ok, other=0.0) > 0.0, v, float("-inf"))
+        mx = tl.maximum(mx, v)
+    safe = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.zeros(offs.shape, dtype=tl.float32)
+    for p in range(num_parts):
+        e = tl.exp2((tl.load(max_ptr + p * n + offs, mask=ok, other=float("-inf")) - safe) * LOG2E)
+        if HAS_SUM:
+            sm = tl.load(sum_ptr + p * n + offs, mask=ok, other=0.0)
+            e = tl.where(sm > 0.0, sm * e, 0.0)
+        tot += e
+    return tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
+
+
+@triton.jit
 def _merge_stats_kernel(row_part_ptr, num_splits, b, row_out_ptr, col_max_ptr, col_sum_ptr, num_groups, m,
                         col_out_ptr, num_row_blocks, BLOCK: tl.constexpr, COMPUTE_COL: tl.constexpr):
     """The forward's partial statistics into LSE vectors, in one launch: programs below
     ``num_row_blocks`` merge the ``[S, b]`` row LSEs, the others the ``[G, m]`` column (max, sum
-    of exp) pairs. An entry with nothing to sum stays ``-inf``."""
+    of exp) pairs."""
     pid = tl.program_id(0)
     if pid < num_row_blocks:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         ok = offs < b
-        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        for s in range(num_splits):
-            mx = tl.maximum(mx, tl.load(row_part_ptr + s * b + offs, mask=ok, other=float("-inf")))
-        safe = tl.where(mx == float("-inf"), 0.0, mx)
-        tot = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(num_splits):
-            v = tl.load(row_part_ptr + s * b + offs, mask=ok, other=float("-inf"))
-            tot += tl.exp2((v - safe) * LOG2E)
-        lse = tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
+        lse = _merge_parts(row_part_ptr, row_part_ptr, num_splits, b, offs, ok, False)
         tl.store(row_out_ptr + offs, lse, mask=ok)
     elif COMPUTE_COL:
         offs = (pid - num_row_blocks) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < m
-        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-        for g in range(num_groups):
-            gm = tl.load(col_max_ptr + g * m + offs, mask=ok, other=float("-inf"))
-            gs = tl.load(col_sum_ptr + g * m + offs, mask=ok, other=0.0)
-            mx = tl.maximum(mx, tl.where(gs > 0.0, gm, float("-inf")))
-        safe = tl.where(mx == float("-inf"), 0.0, mx)
-        tot = tl.zeros([BLOCK], dtype=tl.float32)
-        for g in range(num_groups):
-            gm = tl.load(col_max_ptr + g * m + offs, mask=ok, other=float("-inf"))
-            gs = tl.load(col_sum_ptr + g * m + offs, mask=ok, other=0.0)
-            tot += tl.where(gs > 0.0, gs * tl.exp2((gm - safe) * LOG2E), 0.0)
-        lse = tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
+        lse = _merge_parts(col_max_ptr, col_sum_ptr, num_groups, m, offs, ok, True)
         tl.store(col_out_ptr + offs, lse, mask=ok)
 
 
@@ -653,18 +656,24 @@ def lse_forward_triton(
     return row, (col if compute_col else None)
 
 
-def _positive_launch(query, key, scale_t, labels, out, row, col, weight, mode):
+def _positive_launch(query, key, scale_t, labels, row=None, col=None, weight=0.0, mode=0) -> torch.Tensor:
+    """Launch ``_positive_kernel``; returns the positive logits ``[b]`` (``mode`` 0) or the loss
+    shares of its row blocks (``mode`` 1/2, see the kernel)."""
     b, c = query.shape
     lab, has_labels = _labels_arg(query, labels, True)
     block_m, block_k = (32, 32) if query.device.type != "cuda" else (64, 128)
     block_k = min(block_k, max(16, triton.next_power_of_2(c)))
-    with _on_device(query):
-        _positive_kernel[(triton.cdiv(b, block_m),)](
-            query, key, lab, out, scale_t, row, col, b, c, query.stride(0), key.stride(0), weight,
-            BLOCK_M=block_m, BLOCK_K=block_k, HAS_LABELS=has_labels,
-            EXACT_MUL=_kernel_flags(query, c, block_k)["EXACT_MUL"], MODE=mode, num_warps=4,
-        )
-    return block_m
+    blocks = triton.cdiv(b, block_m)
+    out = torch.empty((b if mode == 0 else blocks,), device=query.device, dtype=torch.float32)
+    if b:
+        with _on_device(query):
+            _positive_kernel[(blocks,)](
+                query, key, lab, out, scale_t, row if row is not None else out,
+                col if col is not None else out, b, c, query.stride(0), key.stride(0), weight,
+                BLOCK_M=block_m, BLOCK_K=block_k, HAS_LABELS=has_labels,
+                EXACT_MUL=_kernel_flags(query, c, block_k)["EXACT_MUL"], MODE=mode, num_warps=4,
+            )
+    return out
 
 
 def positive_logits_triton(
@@ -676,10 +685,7 @@ def positive_logits_triton(
     """``[b]`` float32 positive logits ``scale * q_i . k_{labels_i}`` (default labels: the
     diagonal, which needs ``m >= b``), rounded like the tile logits; no autograd."""
     query, key = _check_inputs(query, key)
-    out = torch.empty((query.shape[0],), device=query.device, dtype=torch.float32)
-    if query.shape[0]:
-        _positive_launch(query, key, _scale_arg(scale, query.device), labels, out, out, out, 0.0, 0)
-    return out
+    return _positive_launch(query, key, _scale_arg(scale, query.device), labels)
 
 
 def infonce_forward_triton(
@@ -694,13 +700,11 @@ def infonce_forward_triton(
     one device in four launches (tiles, merge, positive logits with the loss's block shares,
     their sum)."""
     query, key = _check_inputs(query, key)
-    b = query.shape[0]
     s_t = _scale_arg(scale, query.device)
     row, col = lse_forward_triton(query, key, s_t, compute_col=symmetric)
-    parts = torch.empty((triton.cdiv(b, 32),), device=query.device, dtype=torch.float32)
-    block = _positive_launch(query, key, s_t, labels, parts, row, col if symmetric else row,
-                             (0.5 if symmetric else 1.0) / b, 2 if symmetric else 1)
-    return parts[: triton.cdiv(b, block)].sum(), row, col
+    shares = _positive_launch(query, key, s_t, labels, row, col, (0.5 if symmetric else 1.0) / query.shape[0],
+                              2 if symmetric else 1)
+    return shares.sum(), row, col
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,7 +744,10 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, w: torch.Tensor, first: bool)
         torch.addmm(acc, a, w, beta=beta, out_dtype=torch.float32, out=acc)
     elif acc.device.type == "cuda":
         prod = torch.mm(a, w, out_dtype=torch.float32)
-        acc.copy_(prod) if first else acc.add_(prod)
+        if first:
+            acc.copy_(prod)
+        else:
+            acc.add_(prod)
     else:
         torch.addmm(acc, a.float(), w.float(), beta=beta, out=acc)
 
@@ -753,14 +760,14 @@ def _grad_scale(*weights: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.exp2(-torch.ceil(torch.log2(mx)))
 
 
-def _chunks(align: int) -> Tuple[int, int]:
-    """``(rows, cols)`` of the block of ``G`` written at once (``DS_INFCL_TRITON_CHUNK="RxC"``
-    overrides the module constants, for tuning), rounded up to multiples of ``align``: a block
-    must start where a forward tile starts, so that the recomputed logits are bit-identical to
-    the forward's (the same tile position runs the same dot-product order)."""
+def _chunks(align: int) -> Tuple[int, int, bool]:
+    """``(rows, cols, given)``: the block of ``G`` written at once (``DS_INFCL_TRITON_CHUNK="RxC"``
+    overrides the module constants, for tuning: ``given``), rounded up to multiples of ``align``:
+    a block must start where a forward tile starts, so that the recomputed logits are
+    bit-identical to the forward's (the same tile position runs the same dot-product order)."""
     env = os.environ.get("DS_INFCL_TRITON_CHUNK")
     r, c = (int(v) for v in env.lower().split("x")) if env else (CHUNK_ROWS, CHUNK_COLS)
-    return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align
+    return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align, bool(env)
 
 
 def _fit_budget(b: int, m: int, c: int, rows: int, cols: int, g_dtype: torch.dtype, align: int) -> Tuple[int, int]:
@@ -863,11 +870,11 @@ def lse_backward_triton(
     # interpreter, whose bf16 dot is wrong.
     g_dtype = f32 if flags["UPCAST"] else query.dtype
     align = 256 if device.type == "cuda" else 32  # every forward/backward tile edge divides it
-    chunk_rows, chunk_cols = _chunks(align)
+    chunk_rows, chunk_cols, chunks_given = _chunks(align)
     if g_dtype == f32:
         chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
     chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
-    if out_dtype is not None and not os.environ.get("DS_INFCL_TRITON_CHUNK"):
+    if out_dtype is not None and not chunks_given:
         chunk_rows, chunk_cols = _fit_budget(b, m, c, chunk_rows, chunk_cols, g_dtype, align)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
     factor = s_t / gs if gs is not None else s_t
@@ -916,22 +923,19 @@ def lse_backward_triton(
         if part is not None:
             out, own = (dq, query) if rows_outer else (dk, key)
             _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on], ds_parts, o0 // block_r, block_r)
+    # The whole accumulators: scaled into res_dtype (in place for float32); with both whole, the
+    # scale gradient comes from dq.
     if full_q:
-        if out_dtype is None:  # both whole: the scale gradient from dq
-            _scale_out(dq, factor, dq, query, ds_parts, 0, block_r)
-        else:
-            dq = _scale_out_new(dq, factor, res_dtype, block_r)
+        dq = _scale_out_whole(dq, factor, res_dtype, block_r, query if out_dtype is None else None, ds_parts)
     if full_k:
-        if out_dtype is None:
-            _scale_out(dk, factor, dk, None, ds_parts, 0, block_r)
-        else:
-            dk = _scale_out_new(dk, factor, res_dtype, block_r)
+        dk = _scale_out_whole(dk, factor, res_dtype, block_r)
     dscale = ds_parts[: triton.cdiv(b if (out_dtype is None or rows_outer) else m, block_r)].sum()
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
 
-def _scale_out_new(acc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, block_r: int) -> torch.Tensor:
-    """``(acc * factor).to(dtype)`` in one launch (in place when ``dtype`` is float32)."""
+def _scale_out_whole(acc, factor, dtype, block_r, own=None, ds_parts=None) -> torch.Tensor:
+    """``(acc * factor).to(dtype)`` in one launch (in place when ``dtype`` is float32), with the
+    scale-gradient shares of ``own`` as in ``_scale_out``."""
     out = acc if dtype == acc.dtype else torch.empty(acc.shape, device=acc.device, dtype=dtype)
-    _scale_out(acc, factor, out, None, None, 0, block_r)
+    _scale_out(acc, factor, out, own, ds_parts, 0, block_r)
     return out
