@@ -866,18 +866,64 @@ def lse_backward_triton(
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
-    # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
-    # interpreter, whose bf16 dot is wrong.
-    g_dtype = f32 if flags["UPCAST"] else query.dtype
+
+    def launch_g(g, i0, j0, rows, cols, block):
+        grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
+        _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
+            query, key, lab, r2, a, cl2, w, p, g, s_t,
+            i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
+            HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,
+        )
+
+    factor = s_t / gs if gs is not None else s_t
+    dq, dk, dscale = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"])
+    return dq, dk, (dscale / gs if gs is not None else dscale)
+
+
+def chunk_blocks(b: int, m: int, c: int, out_dtype: Optional[torch.dtype], g_dtype: torch.dtype,
+                 device: torch.device) -> Tuple[int, int]:
+    """The ``(rows, cols)`` of the block of ``G`` written at once by ``chunked_g_products``."""
     align = 256 if device.type == "cuda" else 32  # every forward/backward tile edge divides it
     chunk_rows, chunk_cols, chunks_given = _chunks(align)
-    if g_dtype == f32:
+    if g_dtype == torch.float32:
         chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
     chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
     if out_dtype is not None and not chunks_given:
         chunk_rows, chunk_cols = _fit_budget(b, m, c, chunk_rows, chunk_cols, g_dtype, align)
+    return chunk_rows, chunk_cols
+
+
+def chunked_g_products(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    factor: torch.Tensor,
+    launch_g,
+    out_dtype: Optional[torch.dtype],
+    upcast: bool,
+    *,
+    with_dscale: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The backward's products over bounded blocks of ``G`` (shared by the InfoNCE and SigLIP ops).
+
+    ``launch_g(g, i0, j0, rows, cols, block)`` writes the block ``[i0, i0 + rows) x [j0, j0 + cols)``
+    of ``G`` into ``g [rows, cols]`` (``block`` counts the blocks from 0). Returns
+    ``(factor * G @ key, factor * G^T @ query, sum_ij G_ij q_i.k_j)``: the feature gradients in
+    float32, or ``out_dtype`` when given (then the smaller side keeps a whole float32 accumulator
+    and the other side one of a chunk, written out when its chunk is done), and the scale-gradient
+    sum before ``factor`` (``None`` without ``with_dscale``). Scratch: one block of ``G`` and that chunk accumulator.
+    """
+    b, c = query.shape
+    m = key.shape[0]
+    device = query.device
+    f32 = torch.float32
+    res_dtype = out_dtype or f32
+    # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
+    # interpreter, whose bf16 dot is wrong.
+    g_dtype = f32 if upcast else query.dtype
+    chunk_rows, chunk_cols = chunk_blocks(b, m, c, out_dtype, g_dtype, device)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
-    factor = s_t / gs if gs is not None else s_t
     # Loop order: the outer side is the one whose accumulator is chunked (with out_dtype).
     rows_outer = out_dtype is None or m <= b
     full_q = out_dtype is None or not rows_outer
@@ -892,24 +938,19 @@ def lse_backward_triton(
     # complete first (the chunked side; dq when both are whole), summed once at the end.
     block_r = 32
     ds_parts = torch.empty((triton.cdiv(max(b, m), block_r),), device=device, dtype=f32)
+    block = 0
     for o0 in range(0, n_outer, step_outer):
         on = min(step_outer, n_outer - o0)
         acc = part[:on] if part is not None else None
         for x0 in range(0, n_inner, step_inner):
             xn = min(step_inner, n_inner - x0)
             i0, rows, j0, cols = (o0, on, x0, xn) if rows_outer else (x0, xn, o0, on)
-            grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
             g = g_buf[: rows * cols].view(rows, cols)
             with _on_device(query):
-                _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-                    query, key, lab, r2, a, cl2, w, p, g, s_t,
-                    i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-                    HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,
-                )
+                launch_g(g, i0, j0, rows, cols, block)
+            block += 1
             q_op, k_op = query[i0:i0 + rows], key[j0:j0 + cols]
-            if flags["UPCAST"]:
+            if upcast:
                 q_op, k_op = q_op.float(), k_op.float()
             # The first product into a slice overwrites it (beta = 0): no zero fills.
             if full_q:
@@ -922,15 +963,19 @@ def lse_backward_triton(
                 _addmm_f32(acc, g.t(), q_op, first=(x0 == 0))
         if part is not None:
             out, own = (dq, query) if rows_outer else (dk, key)
-            _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on], ds_parts, o0 // block_r, block_r)
+            _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on] if with_dscale else None, ds_parts,
+                       o0 // block_r, block_r)
     # The whole accumulators: scaled into res_dtype (in place for float32); with both whole, the
     # scale gradient comes from dq.
     if full_q:
-        dq = _scale_out_whole(dq, factor, res_dtype, block_r, query if out_dtype is None else None, ds_parts)
+        own = query if (out_dtype is None and with_dscale) else None
+        dq = _scale_out_whole(dq, factor, res_dtype, block_r, own, ds_parts)
     if full_k:
         dk = _scale_out_whole(dk, factor, res_dtype, block_r)
+    if not with_dscale:
+        return dq, dk, None
     dscale = ds_parts[: triton.cdiv(b if (out_dtype is None or rows_outer) else m, block_r)].sum()
-    return dq, dk, (dscale / gs if gs is not None else dscale)
+    return dq, dk, dscale
 
 
 def _scale_out_whole(acc, factor, dtype, block_r, own=None, ds_parts=None) -> torch.Tensor:

@@ -1,0 +1,277 @@
+"""SigLIP's pairwise sigmoid loss on one device: reference, tiled PyTorch path, dispatch, Function.
+
+Maths (DESIGN.md section 9). Queries ``q [b, c]``, keys ``k [m, c]``, scale ``s`` and bias ``t``;
+the logits are ``x_ij = s * q_i . k_j + t`` and ``z_ij = +1`` for a positive pair, ``-1`` else.
+With ``-log sigmoid(z x) = softplus(-z x)`` and ``softplus(-x) = softplus(x) - x``::
+
+    L = (1 / B) * sum_ij softplus(-z_ij x_ij)
+      = (1 / B) * [ sum_ij softplus(x_ij) - sum_{(i, j) positive} x_ij ]
+
+where ``B`` is the number of queries of the global batch. Per pair the gradient is
+``dL/dx_ij = (sigmoid(x_ij) - [positive]) / B =: G_ij``, so one recomputed tile gives
+
+    dq = s * G @ k      dk = s * G^T @ q      ds = sum_ij G_ij (q_i . k_j)      dt = sum_ij G_ij
+
+(``8 b m c`` FLOPs for forward and backward, as for InfoNCE). No running maximum is needed: each
+pair's term is independent, so blocks (tiles, or ring blocks of other ranks) simply add.
+
+Positive pairs are given by ids: ``(i, j)`` is positive iff ``query_ids[i] == key_ids[j]``. Labels
+(query ``i``'s positive is key ``labels[i]``, default the diagonal) become ids through
+:func:`siglip_ids`; user ids (for example a caption id) allow several positives per query, so that
+duplicated captions are not pushed apart.
+
+The block functions ``siglip_forward`` / ``siglip_backward`` are also the unit of work of the ring
+(``ds_infcl.loss.siglip``). Everything accumulates in float32; memory is ``O((b + m) c)`` plus one
+tile (torch) or one bounded block of ``G`` (Triton).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from ds_infcl.ops.lse import resolve_backend
+from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
+
+__all__ = [
+    "siglip_ids",
+    "siglip_reference",
+    "siglip_forward_torch",
+    "siglip_backward_torch",
+    "siglip_forward",
+    "siglip_backward",
+    "SigLIPFunction",
+    "siglip_loss_local",
+]
+
+Scalar = Union[float, torch.Tensor]
+_F32 = torch.float32
+
+
+def siglip_ids(
+    num_queries: int,
+    num_keys: int,
+    device: torch.device,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    query_ids: Optional[torch.Tensor] = None,
+    key_ids: Optional[torch.Tensor] = None,
+    key_offset: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(query_ids [b], key_ids [m])`` whose equality marks the positive pairs.
+
+    With ``query_ids`` / ``key_ids`` given they are used as they are (global ids: equal ids on any
+    ranks are positives). Otherwise query ``i``'s positive is local key ``labels[i]`` (default
+    ``i``), made global with ``key_offset`` (the number of keys of the ranks before this one), so
+    that the ids of different ranks never collide.
+    """
+    if query_ids is not None:
+        return (query_ids.to(device=device, dtype=torch.int64).contiguous(),
+                key_ids.to(device=device, dtype=torch.int64).contiguous())
+    lab = labels_or_diagonal(labels, num_queries, device)
+    return lab + key_offset, torch.arange(key_offset, key_offset + num_keys, device=device)
+
+
+def siglip_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scalar,
+    bias: Scalar,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    query_ids: Optional[torch.Tensor] = None,
+    key_ids: Optional[torch.Tensor] = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Materialized SigLIP loss ``mean_i sum_j -log sigmoid(z_ij x_ij)`` (the specification).
+
+    ``upcast`` computes in float64 (the reference of the tests); ``False`` in the inputs' dtype
+    (plain PyTorch's own rounding, for error bounds). Allocates ``b x m`` logits.
+    """
+    dtype = torch.float64 if upcast else query.dtype
+    qids, kids = siglip_ids(query.shape[0], key.shape[0], query.device, labels=labels,
+                            query_ids=query_ids, key_ids=key_ids)
+    x = (query.to(dtype) @ key.to(dtype).T) * scale + bias
+    z = torch.where(qids[:, None] == kids[None, :], 1.0, -1.0).to(x.dtype)
+    return -F.logsigmoid(z * x).sum() / query.shape[0]
+
+
+def _tile_logits(qf, kf, scale, bias):
+    dots = qf @ kf.T
+    return dots, dots * scale + bias
+
+
+def siglip_forward_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scalar,
+    bias: Scalar,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    *,
+    tile_b: int,
+    tile_m: int,
+) -> torch.Tensor:
+    """0-dim float32 ``sum_ij softplus(-z_ij x_ij)`` over the block (not divided by ``B``)."""
+    b, m = query.shape[0], key.shape[0]
+    total = torch.zeros((), device=query.device, dtype=_F32)
+    if b == 0 or m == 0:
+        return total
+    qf, kf = query.float(), key.float()
+    for i0 in range(0, b, tile_b):
+        qid = query_ids[i0:i0 + tile_b, None]
+        for j0 in range(0, m, tile_m):
+            _, x = _tile_logits(qf[i0:i0 + tile_b], kf[j0:j0 + tile_m], scale, bias)
+            pos = qid == key_ids[None, j0:j0 + tile_m]
+            total += F.softplus(torch.where(pos, -x, x)).sum()
+    return total
+
+
+def siglip_backward_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scalar,
+    bias: Scalar,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    tile_b: int,
+    tile_m: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [b, c], dk [m, c], dscale [], dbias [])``, all float32, of ``weight * forward``.
+
+    ``weight`` is a 0-dim tensor (the upstream gradient over ``B``); each tile is recomputed once.
+    """
+    b, c = query.shape
+    m = key.shape[0]
+    device = query.device
+    dq = torch.zeros((b, c), device=device, dtype=_F32)
+    dk = torch.zeros((m, c), device=device, dtype=_F32)
+    ds = torch.zeros((), device=device, dtype=_F32)
+    dt = torch.zeros((), device=device, dtype=_F32)
+    if b == 0 or m == 0:
+        return dq, dk, ds, dt
+    qf, kf = query.float(), key.float()
+    w = weight.float()
+    for i0 in range(0, b, tile_b):
+        i1 = min(i0 + tile_b, b)
+        qid = query_ids[i0:i1, None]
+        for j0 in range(0, m, tile_m):
+            j1 = min(j0 + tile_m, m)
+            dots, x = _tile_logits(qf[i0:i1], kf[j0:j1], scale, bias)
+            g = torch.sigmoid(x)
+            g.sub_((qid == key_ids[None, j0:j1]).to(_F32)).mul_(w)
+            dq[i0:i1].addmm_(g, kf[j0:j1])
+            dk[j0:j1].addmm_(g.T, qf[i0:i1])
+            ds += (g * dots).sum()
+            dt += g.sum()
+    s = scale.float() if torch.is_tensor(scale) else scale
+    return dq.mul_(s), dk.mul_(s), ds, dt
+
+
+def _triton_siglip():
+    from ds_infcl.ops import triton_siglip
+
+    return triton_siglip
+
+
+def _tiles(query: torch.Tensor, tile_size: Optional[int]) -> int:
+    return tile_size or default_tile_size(query.device)
+
+
+def siglip_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Block sum ``sum_ij softplus(-z_ij x_ij)`` (0-dim float32) on the resolved backend."""
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton_siglip().siglip_forward_triton(query, key, scale, bias, query_ids, key_ids)
+    tile = _tiles(query, tile_size)
+    return siglip_forward_torch(query, key, scale, bias, query_ids, key_ids, tile_b=tile, tile_m=tile)
+
+
+def siglip_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dscale, dbias)`` of ``weight * siglip_forward(...)``.
+
+    ``dq`` / ``dk`` are float32 (what the ring accumulates), or ``out_dtype`` when given (the
+    Triton path then keeps only one side's float32 accumulator and a bounded chunk of the other).
+    """
+    if resolve_backend(backend, query.device) == "triton":
+        return _triton_siglip().siglip_backward_triton(
+            query, key, scale, bias, query_ids, key_ids, weight, out_dtype=out_dtype
+        )
+    tile = _tiles(query, tile_size)
+    dq, dk, ds, dt = siglip_backward_torch(query, key, scale, bias, query_ids, key_ids, weight,
+                                           tile_b=tile, tile_m=tile)
+    if out_dtype is not None:
+        dq, dk = dq.to(out_dtype), dk.to(out_dtype)
+    return dq, dk, ds, dt
+
+
+class SigLIPFunction(torch.autograd.Function):
+    """Single-device SigLIP loss ``siglip_forward(...) / num_queries`` as one Function.
+
+    Saves ``query``, ``key`` and the ids: ``O((b + m) c)``. Gradients of the features come out in
+    their dtype; those of the scale and the bias in the shape they came in.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, scale, bias, query_ids, key_ids, num_queries, backend, tile_size):
+        s, t = scale.detach(), bias.detach()  # read on the device by the kernels: no host sync
+        query, key = query.contiguous(), key.contiguous()
+        total = siglip_forward(query, key, s, t, query_ids, key_ids, backend=backend, tile_size=tile_size)
+        ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
+        ctx.options = (num_queries, backend, tile_size, scale.shape, bias.shape)
+        return total / num_queries
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, s, t, query_ids, key_ids = ctx.saved_tensors
+        num_queries, backend, tile_size, s_shape, t_shape = ctx.options
+        weight = grad.float() / num_queries
+        dq, dk, ds, dt = siglip_backward(
+            query, key, s, t, query_ids, key_ids, weight, backend=backend, tile_size=tile_size,
+            out_dtype=query.dtype,
+        )
+        return (dq, dk, ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
+                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None, None, None, None, None, None)
+
+
+def siglip_loss_local(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    *,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """The SigLIP loss of one device (validated inputs; ``scale`` / ``bias`` 0-dim float32
+    tensors that may require grad)."""
+    backend = resolve_backend(backend, query.device)
+    return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, query.shape[0], backend,
+                                tile_size)
