@@ -1,9 +1,11 @@
 """Loss API: the functional ``lse`` op and InfoNCE losses, ``nn.Module`` wrappers, the registry of
-implementations (Inf-CL and the baselines)."""
+implementations (Inf-CL and the baselines), and SigLIP's sigmoid loss (``siglip_loss``,
+``SigLIPLoss``)."""
 
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
 from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
+from ds_infcl.loss.siglip import SigLIPLoss, siglip_loss
 from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
 from ds_infcl.ring.groups import resolve_group
 
@@ -22,4 +24,6 @@ __all__ = [
     "positive_logits",
     "register_loss_impl",
     "resolve_group",
+    "SigLIPLoss",
+    "siglip_loss",
 ]

@@ -71,24 +71,24 @@ def _check_label_structure(labels: Optional[torch.Tensor], num_queries: int, num
         )
 
 
-def _scale_value_error(value: float) -> Optional[str]:
+def _scale_value_error(value: float, name: str = "scale") -> Optional[str]:
     if not (value == value and abs(value) != float("inf")):
-        return f"scale must be finite, got {value}"
+        return f"{name} must be finite, got {value}"
     return None
 
 
-def _check_scale_structure(scale: Union[float, int, torch.Tensor]) -> None:
+def _check_scale_structure(scale: Union[float, int, torch.Tensor], name: str = "scale") -> None:
     if torch.is_tensor(scale):
         if scale.numel() != 1:
-            raise ValueError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
         if not scale.dtype.is_floating_point:
-            raise ValueError(f"a scale tensor must be floating point, got {scale.dtype}")
+            raise ValueError(f"a {name} tensor must be floating point, got {scale.dtype}")
     elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        msg = _scale_value_error(float(scale))
+        msg = _scale_value_error(float(scale), name)
         if msg:
             raise ValueError(msg)
     else:
-        raise ValueError(f"scale must be a float or a tensor, got {type(scale).__name__}")
+        raise ValueError(f"{name} must be a float or a tensor, got {type(scale).__name__}")
 
 
 def _device_checks(
@@ -98,6 +98,7 @@ def _device_checks(
     labels: Optional[torch.Tensor],
     num_keys: int,
     check_finite: bool,
+    bias=None,
 ) -> None:
     """The checks that read tensor values, with a single device-to-host copy for all of them
     (each readback drains the GPU queue, so a loss call makes at most one)."""
@@ -107,9 +108,10 @@ def _device_checks(
             if t is not None and t.numel():
                 names.append(name)
                 values.append((~torch.isfinite(t)).any(dim=1).sum())
-    if torch.is_tensor(scale) and (check_finite or scale.device.type == "cpu"):
-        names.append("scale")
-        values.append((~torch.isfinite(scale.detach())).sum())
+    for name, value in (("scale", scale), ("bias", bias)):
+        if torch.is_tensor(value) and (check_finite or value.device.type == "cpu"):
+            names.append(name)
+            values.append((~torch.isfinite(value.detach())).sum())
     if labels is not None and labels.numel():
         names += ["labels_min", "labels_max"]
         values += [labels.min(), labels.max()]
@@ -126,6 +128,8 @@ def _device_checks(
             )
     if got.get("scale", 0):
         raise ValueError(_scale_value_error(float(scale.detach())))
+    if got.get("bias", 0):
+        raise ValueError(f"bias must be finite, got {float(bias.detach())}")
     if "labels_min" in got:
         lo, hi = got["labels_min"], got["labels_max"]
         if lo < 0 or hi >= num_keys:
@@ -144,19 +148,22 @@ def check_inputs(
     check_labels: bool = True,
     check_finite: bool = True,
     allow_empty: bool = False,
+    bias: Optional[Union[float, int, torch.Tensor]] = None,
 ) -> None:
     """All checks of a loss call: :func:`check_features`, :func:`check_scale` and (if
     ``check_labels``) :func:`check_labels`, with one device-to-host copy for the value checks,
     and none at all when ``check_finite`` is false and no labels are given.
 
-    A tensor scale is checked for NaN/Inf with the features (``check_finite``); on a CPU tensor
-    always.
+    A tensor scale (and a tensor ``bias``, SigLIP's) is checked for NaN/Inf with the features
+    (``check_finite``); on a CPU tensor always.
     """
     _check_feature_structure(query, key, allow_empty)
     _check_scale_structure(scale)
+    if bias is not None:
+        _check_scale_structure(bias, "bias")
     if check_labels:
         _check_label_structure(labels, query.shape[0], key.shape[0])
-    _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite)
+    _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
 
 
 def check_features(

@@ -33,7 +33,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 # Protocol codes: ranks that disagree on which loss path they run would otherwise pair unrelated
 # collectives and hang or corrupt data.
-PROTOCOLS = {"ring_lse": 1, "vanilla": 2, "local": 3, "disco": 4}
+PROTOCOLS = {"ring_lse": 1, "vanilla": 2, "local": 3, "disco": 4, "siglip": 5}
 _INPUT_ERROR = -1  # protocol code of a rank whose local input checks failed
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}

@@ -1,0 +1,295 @@
+"""SigLIP's pairwise sigmoid loss over the global batch: the functional, the ring, the module.
+
+The loss (DESIGN.md section 9) with ``x_ij = s * q_i . k_j + t`` over every query ``i`` of every
+rank and every key ``j`` of every rank::
+
+    L = -(1 / B) * sum_ij log sigmoid(z_ij x_ij),    z_ij = +1 for a positive pair, -1 otherwise
+
+Unlike InfoNCE nothing is merged across blocks: each pair's term stands alone, so rank ``r``'s
+share ``(1 / B) * sum_{i on r, all j} ...`` is a plain sum over the key blocks that pass it on the
+ring, and the global loss is the sum of the shares.
+
+The ring (DESIGN.md section 4 without the column statistics): at step ``t`` rank ``r`` holds the
+key block (and its key ids) of rank ``(r - t) mod W``; the next block's exchange is posted before
+the current block is computed. Backward rotates the key blocks again with the float32 ``dk``
+accumulator of each block one hop behind, home after the last hop; ``dq``, ``ds`` and ``dt``
+accumulate locally. Every received block is dropped when the next one arrives, so a rank holds
+``O((b + m) c)`` whatever the world size, in the forward and in the backward.
+
+Gradient semantics: the shares are summed by ``global_sum_with_grad``, whose backward multiplies
+by ``W``; after the data-parallel mean every gradient (features, scale and bias) equals the
+single-device gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ds_infcl.ops.lse import BACKENDS, resolve_backend
+from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
+from ds_infcl.ops.validation import check_inputs
+from ds_infcl.ring import (
+    RingLayout,
+    agree_on_input_errors,
+    exchange_layout,
+    global_sum_with_grad,
+    group_size,
+    post_ring_shift,
+    resolve_group,
+    wait_all,
+)
+
+__all__ = ["siglip_loss", "SigLIPLoss", "SigLIPRingFunction"]
+
+Scalar = Union[float, torch.Tensor]
+_F32 = torch.float32
+
+
+def _ring_forward(query, key, s, t, qid, kid, backend, tile_size, layout: RingLayout, group):
+    c = query.shape[1]
+    total = torch.zeros((), device=query.device, dtype=_F32)
+    cur_key, cur_kid = key, kid
+    for step in range(layout.world):
+        nxt = layout.block_owner(step + 1)
+        works, next_key, next_kid = [], None, None
+        if step < layout.world - 1:
+            next_key = key.new_empty((layout.key_sizes[nxt], c))
+            next_kid = kid.new_empty((layout.key_sizes[nxt],))
+            works = post_ring_shift([cur_key, cur_kid], [next_key, next_kid], layout, group)
+        total += siglip_forward(query, cur_key, s, t, qid, cur_kid, backend=backend, tile_size=tile_size)
+        wait_all(works)
+        if next_key is not None:
+            cur_key, cur_kid = next_key, next_kid
+    return total
+
+
+def _ring_backward(query, key, s, t, qid, kid, weight, backend, tile_size, layout: RingLayout, group):
+    b, c = query.shape
+    m = key.shape[0]
+    dq = torch.zeros((b, c), device=query.device, dtype=_F32)
+    ds = torch.zeros((), device=query.device, dtype=_F32)
+    dt = torch.zeros((), device=query.device, dtype=_F32)
+    cur_key, cur_kid, dk_acc = key, kid, None
+    for step in range(layout.world):
+        owner, nxt = layout.block_owner(step), layout.block_owner(step + 1)
+        send, recv = [], []
+        next_key = next_kid = dk_in = None
+        if step < layout.world - 1:
+            next_key = key.new_empty((layout.key_sizes[nxt], c))
+            next_kid = kid.new_empty((layout.key_sizes[nxt],))
+            send += [cur_key, cur_kid]
+            recv += [next_key, next_kid]
+        if step > 0:  # the dk of the block in hand, from the ranks it visited before
+            dk_in = torch.empty((layout.key_sizes[owner], c), device=key.device, dtype=_F32)
+            send.append(dk_acc)
+            recv.append(dk_in)
+        works = post_ring_shift(send, recv, layout, group)
+        dq_t, dk_t, ds_t, dt_t = siglip_backward(query, cur_key, s, t, qid, cur_kid, weight,
+                                                 backend=backend, tile_size=tile_size)
+        dq.add_(dq_t)
+        ds.add_(ds_t)
+        dt.add_(dt_t)
+        del dq_t
+        wait_all(works)
+        dk_acc = dk_t if dk_in is None else dk_t.add_(dk_in)
+        if next_key is not None:
+            cur_key, cur_kid = next_key, next_kid
+    if layout.world == 1:
+        dk = dk_acc
+    else:  # dk_acc is the complete gradient of rank (r + 1)'s keys: send it home
+        dk = torch.empty((m, c), device=key.device, dtype=_F32)
+        wait_all(post_ring_shift([dk_acc], [dk], layout, group))
+    return dq, dk, ds, dt
+
+
+class SigLIPRingFunction(torch.autograd.Function):
+    """Rank ``r``'s share of the SigLIP loss, ``(1 / B) sum_{i on r, all j}``, by the ring.
+
+    Saves ``query``, ``key`` and the ids: ``O((b + m) c)`` per rank.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, scale, bias, query_ids, key_ids, backend, tile_size, layout, group):
+        s, t = scale.detach(), bias.detach()  # read on the device by the kernels: no host sync
+        query, key = query.contiguous(), key.contiguous()
+        total = _ring_forward(query, key, s, t, query_ids, key_ids, backend, tile_size, layout, group)
+        ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
+        ctx.options = (backend, tile_size, layout, group, scale.shape, bias.shape)
+        return total / layout.num_queries
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, s, t, query_ids, key_ids = ctx.saved_tensors
+        backend, tile_size, layout, group, s_shape, t_shape = ctx.options
+        weight = grad.float() / layout.num_queries
+        dq, dk, ds, dt = _ring_backward(query, key, s, t, query_ids, key_ids, weight, backend, tile_size,
+                                        layout, group)
+        return (dq.to(query.dtype), dk.to(key.dtype),
+                ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
+                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None,
+                None, None, None, None, None, None)
+
+
+def _as_tensor(value: Scalar, device: torch.device) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.reshape(()).to(device=device, dtype=_F32)
+    # a fill, not a host-to-device copy (which would wait for the GPU queue)
+    return torch.full((), float(value), device=device, dtype=_F32)
+
+
+def _check_ids(query_ids, key_ids, labels, b: int, m: int) -> None:
+    if (query_ids is None) != (key_ids is None):
+        raise ValueError("pass both query_ids and key_ids (positives are the pairs with equal ids), or neither")
+    if query_ids is None:
+        return
+    if labels is not None:
+        raise ValueError("pass either labels or query_ids/key_ids, not both")
+    for name, ids, n in (("query_ids", query_ids, b), ("key_ids", key_ids, m)):
+        if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.dim() != 1 or ids.shape[0] != n:
+            raise ValueError(f"{name} must have shape [{n}] (one id per row), got {tuple(ids.shape)}")
+
+
+def siglip_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: Scalar,
+    bias: Scalar,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    query_ids: Optional[torch.Tensor] = None,
+    key_ids: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    group=None,
+    tile_size: Optional[int] = None,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """SigLIP's sigmoid loss over the global batch, exact, in linear memory.
+
+    ``L = -(1/B) * sum_ij log sigmoid(z_ij (scale * q_i . k_j + bias))`` over the ``B`` queries of
+    all ranks and every key of every rank, ``z_ij = +1`` for a positive pair and ``-1`` otherwise.
+
+    Args:
+        query: ``[b, c]`` local queries (images), fp32, bf16 or fp16 (accumulation is fp32).
+        key: ``[m, c]`` local keys (texts), same dim and dtype.
+        scale: the logit multiplier ``s`` (pass ``logit_scale.exp()``); a tensor gets a gradient.
+        bias: the logit bias ``t`` (SigLIP's init -10); a tensor gets a gradient.
+        labels: ``[b]`` index of each query's positive among the local keys (default the
+            diagonal, which needs ``m >= b``).
+        query_ids, key_ids: ``[b]`` / ``[m]`` integer ids instead of labels: ``(i, j)`` is positive
+            iff the ids are equal, on any ranks (several positives per query, e.g. one id per
+            distinct caption so that duplicated captions are not pushed apart).
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        group: data-parallel process group (``None``: DeepSpeed's data-parallel group when set up,
+            else the default group when distributed, else one process). With more than one rank
+            the key blocks travel around a ring.
+        tile_size: tile edge of the torch backend.
+        check_finite: raise on NaN/Inf features (one pass over the inputs).
+
+    Returns:
+        0-dim float32 tensor: the global loss, the same value on every rank. After the
+        data-parallel mean the gradients of the features, the scale and the bias equal those of
+        the single-device loss on the global batch.
+
+    Raises:
+        ValueError: malformed shapes, dims/dtypes that differ (also between ranks), labels out of
+            range, ids of the wrong shape, a non-finite scale or bias, NaN/Inf features; raised on
+            every rank at once.
+    """
+    world = group_size(group)
+    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
+                     allow_empty=world > 1, bias=bias)
+        _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
+        backend = resolve_backend(backend, query.device)
+    device = query.device
+    s, t = _as_tensor(scale, device), _as_tensor(bias, device)
+    if world == 1:
+        qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
+                              key_ids=key_ids)
+        return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size)
+    group = resolve_group(group)
+    layout = exchange_layout(query, key, group, protocol="siglip", flags=int(query_ids is not None))
+    qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
+                          key_ids=key_ids, key_offset=layout.key_offset())
+    share = SigLIPRingFunction.apply(query, key, s, t, qid, kid, backend, tile_size, layout, group)
+    return global_sum_with_grad(share, layout, group)
+
+
+class SigLIPLoss(nn.Module):
+    """SigLIP's sigmoid loss over the global batch with a learnable scale and bias.
+
+    The scale is ``exp(logit_scale)`` (init ``log 10``, clamped to at most ``max_logit_scale`` in
+    the forward) and the bias ``logit_bias`` (init ``-10``), as in SigLIP.
+
+    Args:
+        init_logit_scale: initial ``logit_scale`` (log of the scale).
+        init_logit_bias: initial bias.
+        max_logit_scale: upper clamp of ``logit_scale`` (default ``log 100``).
+        learnable: ``False`` keeps scale and bias fixed (buffers).
+        backend, group, tile_size: as in :func:`siglip_loss`.
+
+    Inputs: ``query [b, c]``, ``key [m, c]``, optional ``labels [b]`` or ``query_ids [b]`` with
+    ``key_ids [m]``.
+    Returns: the global loss (0-dim float32).
+
+    Relations: equals OpenCLIP's ``SigLipLoss`` (any ``dist_impl``) on the same global batch, in
+    ``O((b + m) c)`` memory per rank whatever the number of ranks; ``ds_infcl.adapters.open_clip_loss``
+    has a drop-in with OpenCLIP's signatures.
+
+    Example::
+
+        loss_fn = SigLIPLoss()
+        loss = loss_fn(image_features, text_features)
+        loss.backward()
+    """
+
+    def __init__(
+        self,
+        *,
+        init_logit_scale: float = math.log(10.0),
+        init_logit_bias: float = -10.0,
+        max_logit_scale: float = math.log(100.0),
+        learnable: bool = True,
+        backend: str = "auto",
+        group=None,
+        tile_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if init_logit_scale > max_logit_scale:
+            raise ValueError(f"init_logit_scale {init_logit_scale} exceeds max_logit_scale {max_logit_scale}")
+        for name, value in (("logit_scale", init_logit_scale), ("logit_bias", init_logit_bias)):
+            tensor = torch.tensor(float(value))
+            if learnable:
+                setattr(self, name, nn.Parameter(tensor))
+            else:
+                self.register_buffer(name, tensor)
+        self.max_logit_scale = float(max_logit_scale)
+        self.backend = backend
+        self.group = group
+        self.tile_size = tile_size
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale ``exp(clamp(logit_scale, max=max_logit_scale))``."""
+        return self.logit_scale.clamp(max=self.max_logit_scale).exp()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                query_ids: Optional[torch.Tensor] = None, key_ids: Optional[torch.Tensor] = None):
+        return siglip_loss(
+            query, key, self.scale.to(query.device), self.logit_bias.to(query.device), labels,
+            query_ids=query_ids, key_ids=key_ids, backend=self.backend, group=self.group,
+            tile_size=self.tile_size,
+        )
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, max_logit_scale={self.max_logit_scale:.4f}"
