@@ -7,7 +7,7 @@ from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
 from ds_infcl.loss.siglip import SigLIPLoss, siglip_loss
 from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
-from ds_infcl.ring.groups import resolve_group
+from ds_infcl.ring.groups import group_rank, group_size, resolve_group
 
 __all__ = [
     "ClipLoss",
@@ -20,6 +20,8 @@ __all__ = [
     "compose_infonce",
     "contrastive_loss",
     "get_loss_impl",
+    "group_rank",
+    "group_size",
     "lse",
     "positive_logits",
     "register_loss_impl",

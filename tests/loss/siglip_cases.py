@@ -27,6 +27,9 @@ def cases(world):
     out.append(dict(kind="ours", sizes=SIZES[world]["unequal"], pos="labels", dtype="fp16", c=12))
     for impl in OPENCLIP_IMPLS:
         out.append(dict(kind="openclip", impl=impl, sizes=SIZES[world]["equal"], pos="diag", dtype="fp32", c=12))
+    # Our drop-in with OpenCLIP's signature (ds_infcl.adapters.open_clip_loss), unequal sizes too.
+    for sizes in ("equal", "unequal"):
+        out.append(dict(kind="dropin", sizes=SIZES[world][sizes], pos="diag", dtype="fp32", c=12))
     return out
 
 
@@ -74,6 +77,10 @@ def run_case(case, seed, rank, world):
 
         oc = openclip_loss_module()
         loss = oc.SigLipLoss(rank=rank, world_size=world, dist_impl=case["impl"])(q, k, s, t)
+    elif case["kind"] == "dropin":
+        from ds_infcl.adapters.open_clip_loss import SigLipLoss
+
+        loss = SigLipLoss(rank=rank, world_size=world)(q, k, s, t)
     else:
         loss = siglip_loss(q, k, s, t, **kwargs)
     (loss * UPSTREAM).backward()
