@@ -1,4 +1,4 @@
-"""Worker of ``test_ring_nccl.py``: the ring loss on NCCL, one process per GPU (run by torchrun).
+"""Worker of ``test_ring_nccl.py``: the ring losses (InfoNCE and SigLIP) on NCCL, one process per GPU (run by torchrun).
 
 Every rank draws the whole global batch from the case's seed (so no gather is needed for the
 reference), runs its share through ``contrastive_loss(..., group=world)`` on its GPU and compares
@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ds_infcl.loss import contrastive_loss  # noqa: E402
+from ds_infcl.loss import contrastive_loss, siglip_loss  # noqa: E402
 from ds_infcl.ops import contrastive_loss_reference  # noqa: E402
+from ds_infcl.ops.siglip import siglip_reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Relative to the largest reference magnitude. fp32: fp32 accumulation (no TF32). bf16: inputs
@@ -41,6 +42,15 @@ def cases(world):
             out.append(dict(backend=backend, dtype=dtype, symmetric=False, hard=1, sizes=unequal, c=384, scale=20.0))
     out.append(dict(backend="triton", dtype="bf16", symmetric=True, hard=0, sizes=[8192] * world, c=512, scale=100.0))
     out.append(dict(backend="triton", dtype="bf16", symmetric=True, hard=0, sizes=[1] + [5] * (world - 1), c=64, scale=5.0))
+    # SigLIP (the bias gradient is checked too): diagonal, and labels with hard negatives.
+    for backend in ("triton", "torch"):
+        for dtype in ("bf16", "fp32"):
+            out.append(dict(loss="siglip", backend=backend, dtype=dtype, symmetric=False, hard=0, sizes=unequal,
+                            c=500, scale=10.0, bias=-10.0))
+    out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=1, sizes=unequal, c=768,
+                    scale=10.0, bias=-3.0))
+    out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=0, sizes=[8192] * world,
+                    c=512, scale=10.0, bias=-10.0))
     return out
 
 
@@ -58,10 +68,16 @@ def run(case, seed, rank, world, device):
     q_local = q[qs:qs + sizes[rank]].clone().requires_grad_(True)
     k_local = k[ks:ks + key_sizes[rank]].clone().requires_grad_(True)
     scale = torch.tensor(case["scale"], device=device, requires_grad=True)
-    loss = contrastive_loss(q_local, k_local, scale, labels[rank].to(device), symmetric=case["symmetric"],
-                            backend=case["backend"], group=dist.group.WORLD)
+    siglip = case.get("loss") == "siglip"
+    if siglip:
+        bias = torch.tensor(case["bias"], device=device, requires_grad=True)
+        loss = siglip_loss(q_local, k_local, scale, bias, labels[rank].to(device), backend=case["backend"],
+                           group=dist.group.WORLD)
+    else:
+        loss = contrastive_loss(q_local, k_local, scale, labels[rank].to(device), symmetric=case["symmetric"],
+                                backend=case["backend"], group=dist.group.WORLD)
     loss.backward()
-    ds = scale.grad.clone()
+    ds = torch.stack([scale.grad, bias.grad]) if siglip else scale.grad.clone()
     dist.all_reduce(ds)
     ds /= world
 
@@ -69,7 +85,11 @@ def run(case, seed, rank, world, device):
     glabels = torch.cat([lab + off for lab, off in zip(labels, offsets)]).to(device)
     qr, kr = q.double().requires_grad_(True), k.double().requires_grad_(True)
     sr = torch.tensor(case["scale"], dtype=torch.float64, device=device, requires_grad=True)
-    ref = contrastive_loss_reference(qr, kr, sr, glabels, symmetric=case["symmetric"])
+    if siglip:
+        tr = torch.tensor(case["bias"], dtype=torch.float64, device=device, requires_grad=True)
+        ref = siglip_reference(qr, kr, sr, tr, labels=glabels)
+    else:
+        ref = contrastive_loss_reference(qr, kr, sr, glabels, symmetric=case["symmetric"])
     ref.backward()
 
     def rel(got, want):
@@ -80,7 +100,7 @@ def run(case, seed, rank, world, device):
         "loss": abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12),
         "dq": rel(q_local.grad / world, qr.grad[qs:qs + sizes[rank]]),
         "dk": rel(k_local.grad / world, kr.grad[ks:ks + key_sizes[rank]]),
-        "ds": rel(ds, sr.grad),
+        "ds": rel(ds, torch.stack([sr.grad, tr.grad]) if siglip else sr.grad),
     }
 
 
@@ -104,7 +124,8 @@ def main():
         ok = worst[0].item() <= loss_tol and max(worst[1:].tolist()) <= grad_tol
         failed += not ok
         if rank == 0:
-            desc = (f"{case['backend']:6s} {case['dtype']} {'sym' if case['symmetric'] else 'one'} hard={case['hard']} "
+            desc = (f"{case.get('loss', 'infonce')} {case['backend']:6s} {case['dtype']} "
+                    f"{'sym' if case['symmetric'] else 'one'} hard={case['hard']} "
                     f"sizes={case['sizes']} c={case['c']} s={case['scale']}")
             print(f"{'ok  ' if ok else 'FAIL'} W={world} {desc}: rel err loss {worst[0]:.2e} dq {worst[1]:.2e} "
                   f"dk {worst[2]:.2e} ds {worst[3]:.2e} (tol {loss_tol:.0e}/{grad_tol:.0e})", flush=True)
