@@ -13,10 +13,13 @@ setup: $(STAMP)
 
 # torch==2.13.0 (the CPU build) is pinned in requirements-ci.txt and installed in the same pip
 # command as everything else: an unpinned resolve pulls a multi-GB CUDA build.
-$(STAMP): requirements-ci.txt setup.cfg pyproject.toml
+$(STAMP): requirements-ci.txt requirements-nodeps.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-ci.txt -e .
+	# OpenCLIP's loss module, for the side-by-side tests. Without its dependencies: the only
+	# torchvision wheel for torch 2.13 offline is a CUDA build, which breaks transformers' imports.
+	$(BIN)/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	touch $(STAMP)
 
 # The main job on its built-in default: CLIP on the scikit-learn digits, 2 CPU ranks, deepspeed launcher.

@@ -33,7 +33,7 @@ from torch import nn
 
 from ds_infcl.adapters.clip_configs import get_architecture, image_stats, to_hf_configs
 from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
-from ds_infcl.loss import ContrastiveLoss
+from ds_infcl.loss import ContrastiveLoss, SigLIPLoss
 
 __all__ = ["ClipModel", "load_clip", "CONFIG_NAME", "WEIGHTS_NAME"]
 
@@ -84,9 +84,11 @@ class ClipModel(nn.Module):
             output that hardly depends on the image (cosine ~0.99 between any two digits) and
             spends its first steps escaping that; the mean of the patch tokens does not.
         lock_image, lock_text: freeze that tower and its projection (LiT).
-        init_logit_scale, max_logit_scale: log of the initial and maximal scale (CLIP: 1/0.07, 100).
+        init_logit_scale, max_logit_scale: log of the initial and maximal scale (CLIP: 1/0.07,
+            SigLIP: 10; at most 100).
         loss_impl, loss_backend, tile_size: forwarded to ``ContrastiveLoss`` (``impl``,
-            ``backend``, ``tile_size``).
+            ``backend``, ``tile_size``); ``loss_impl="siglip"`` builds ``SigLIPLoss``, which owns
+            the learnable scale and bias (``init_logit_bias``, SigLIP's -10).
         with_loss: ``False`` builds the towers only (``loss`` is ``None``), for a trainer that
             owns the loss module (``ds_infcl.train`` wraps ``encode_query``/``encode_key``).
 
@@ -118,9 +120,10 @@ class ClipModel(nn.Module):
         vision_pooling: str = "cls",
         lock_image: bool = False,
         lock_text: bool = False,
-        init_logit_scale: float = math.log(1 / 0.07),
+        init_logit_scale: Optional[float] = None,
         max_logit_scale: float = math.log(100.0),
         loss_impl: str = "infcl",
+        init_logit_bias: float = -10.0,
         loss_backend: str = "auto",
         tile_size: Optional[int] = None,
         with_loss: bool = True,
@@ -140,11 +143,18 @@ class ClipModel(nn.Module):
         self.text_model = _build_tower(text_config)
         self.visual_projection = nn.Linear(vision_config.hidden_size, embed_dim, bias=False)
         self.text_projection = nn.Linear(text_config.hidden_size, embed_dim, bias=False)
-        self.loss: Optional[ContrastiveLoss] = None
-        if with_loss:
+        self.loss: Optional[nn.Module] = None
+        if with_loss and loss_impl == "siglip":  # the loss owns the learnable scale and bias
+            self.loss = SigLIPLoss(
+                init_logit_scale=math.log(10.0) if init_logit_scale is None else init_logit_scale,
+                init_logit_bias=init_logit_bias, max_logit_scale=max_logit_scale, backend=loss_backend,
+                tile_size=tile_size,
+            )
+        elif with_loss:
             self.loss = ContrastiveLoss(
-                symmetric=True, init_logit_scale=init_logit_scale, max_logit_scale=max_logit_scale,
-                impl=loss_impl, backend=loss_backend, tile_size=tile_size,
+                symmetric=True, max_logit_scale=max_logit_scale, impl=loss_impl, backend=loss_backend,
+                init_logit_scale=math.log(1 / 0.07) if init_logit_scale is None else init_logit_scale,
+                tile_size=tile_size,
             )
         self._loss_settings = {
             "max_logit_scale": float(max_logit_scale), "loss_impl": loss_impl,
@@ -417,21 +427,26 @@ class ClipModel(nn.Module):
 
     def save(
         self, folder: str, tokenizer: Optional[CaptionTokenizer] = None,
-        logit_scale: Optional[torch.Tensor] = None,
+        logit_scale: Optional[torch.Tensor] = None, logit_bias: Optional[torch.Tensor] = None,
     ) -> None:
         """Write ``clip_config.json``, ``model.safetensors`` and, if given, the tokenizer.
 
-        ``logit_scale`` (log of the scale) is saved in place of the model's own, e.g. by a
-        trainer whose loss module held it while the model was built with ``with_loss=False``.
+        ``logit_scale`` (log of the scale) and SigLIP's ``logit_bias`` are saved in place of the
+        model's own, e.g. by a trainer whose loss module held them while the model was built with
+        ``with_loss=False``; a bias makes the folder a SigLIP model (``loss_impl: siglip``).
         """
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
+        config = self.config_dict()
+        if logit_bias is not None:
+            config["loss_impl"] = "siglip"
         with open(os.path.join(folder, CONFIG_NAME), "w") as f:
-            json.dump(self.config_dict(), f, indent=1)
+            json.dump(config, f, indent=1)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        if logit_scale is not None:
-            state["loss.logit_scale"] = logit_scale.detach().float().reshape(()).cpu().clone()
+        for name, value in (("logit_scale", logit_scale), ("logit_bias", logit_bias)):
+            if value is not None:
+                state[f"loss.{name}"] = value.detach().float().reshape(()).cpu().clone()
         save_file(state, os.path.join(folder, WEIGHTS_NAME))
         if tokenizer is not None:
             tokenizer.save(folder)
@@ -454,6 +469,7 @@ class ClipModel(nn.Module):
         state = load_file(os.path.join(folder, WEIGHTS_NAME))
         if model.loss is None:
             state.pop("loss.logit_scale", None)
+            state.pop("loss.logit_bias", None)
         elif "loss.logit_scale" not in state:
             raise ValueError(f"{folder!r} holds no logit scale: load it with with_loss=False")
         model.load_state_dict(state)

@@ -237,7 +237,7 @@ class SigLIPLoss(nn.Module):
         backend, group, tile_size: as in :func:`siglip_loss`.
 
     Inputs: ``query [b, c]``, ``key [m, c]``, optional ``labels [b]`` or ``query_ids [b]`` with
-    ``key_ids [m]``.
+    ``key_ids [m]`` (given ids, ``labels`` is ignored: the ids name every positive pair).
     Returns: the global loss (0-dim float32).
 
     Relations: equals OpenCLIP's ``SigLipLoss`` (any ``dist_impl``) on the same global batch, in
@@ -285,6 +285,9 @@ class SigLIPLoss(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 query_ids: Optional[torch.Tensor] = None, key_ids: Optional[torch.Tensor] = None):
+        if query_ids is not None:
+            # Ids define every positive pair (the trainer passes a batch's labels as well).
+            labels = None
         return siglip_loss(
             query, key, self.scale.to(query.device), self.logit_bias.to(query.device), labels,
             query_ids=query_ids, key_ids=key_ids, backend=self.backend, group=self.group,

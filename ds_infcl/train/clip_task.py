@@ -37,7 +37,15 @@ from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions, read_manifest
 from ds_infcl.data.digits import read_digits_info, write_digits_shards
 
-__all__ = ["ClipTask", "ensure_digits_shards"]
+__all__ = ["ClipTask", "caption_ids", "ensure_digits_shards"]
+
+
+def caption_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[b]`` id of each caption's token sequence (equal captions, equal ids, on every
+    rank): a polynomial hash of the attended tokens, wrapping in int64."""
+    tokens = torch.where(attention_mask.bool(), input_ids.long() + 1, torch.zeros_like(input_ids, dtype=torch.long))
+    powers = torch.full((tokens.shape[1],), 1_000_003, dtype=torch.long).cumprod(0)
+    return (tokens * powers).sum(dim=1)
 
 
 def ensure_digits_shards(data_dir: str, seed: int = 0) -> Dict[str, Any]:
@@ -84,6 +92,9 @@ class ClipTask:
             prefetch_factor`` batches in flight).
         random_crop: lower area bound of a random-resized-crop augmentation (``None``: none).
         eval_batch_size: held-out batch size.
+        positives: ``"pair"`` (image i with its own caption) or ``"caption"`` (with ``loss.impl:
+            siglip``: every image whose caption is the same text is a positive too, so that
+            duplicated captions are not pushed apart; ids from the caption's tokens).
         image_dtype: ``"uint8"`` (pixels normalized by the model on the device) or ``"float32"``.
         seed: data seed of the digits split and captions.
     """
@@ -113,9 +124,13 @@ class ClipTask:
         resampled: bool = False,
         random_crop: Optional[float] = None,
         eval_batch_size: int = 512,
+        positives: str = "pair",
         image_dtype: str = "uint8",
         seed: int = 0,
     ):
+        if positives not in ("pair", "caption"):
+            raise ValueError(f"positives must be 'pair' or 'caption', got {positives!r}")
+        self.positives = positives
         if init_temperature <= 0:
             raise ValueError(f"init_temperature must be > 0, got {init_temperature}")
         if image_dtype not in ("uint8", "float32"):
@@ -197,6 +212,15 @@ class ClipTask:
             "learnable_scale": True,
         }
 
+    def build_loss(self, loss_config):
+        """The trainer's default loss (``Task.build_loss``); ``positives: caption`` needs SigLIP."""
+        from ds_infcl.train.task import Task
+
+        if self.positives == "caption" and loss_config.impl != "siglip":
+            raise ValueError(f"task.args.positives: 'caption' needs loss.impl 'siglip' (got {loss_config.impl!r}): "
+                             "the InfoNCE losses take one positive per query")
+        return Task.build_loss(self, loss_config)
+
     def _transform(self, train: bool) -> ImageTransform:
         towers = self._towers if self._towers is not None else None
         if towers is None:
@@ -226,11 +250,15 @@ class ClipTask:
         for batch in stream:
             self.tally.update(batch)
             self.batches_consumed += 1
-            yield {
+            out = {
                 "query_inputs": batch["image"],
                 "key_inputs": {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
                 "sample_index": batch["idx"],
             }
+            if self.positives == "caption":
+                ids = caption_ids(batch["input_ids"], batch["attention_mask"])
+                out["loss_inputs"] = {"query_ids": ids, "key_ids": ids}
+            yield out
 
     def heldout_batches(self) -> List[Dict[str, Any]]:
         """The held-out set, decoded once (every rank evaluates all of it)."""
@@ -270,7 +298,8 @@ class ClipTask:
         # The position is replayed from the trainer's start_step; nothing else to restore.
         pass
 
-    def save_pretrained(self, folder: str, towers: ClipModel, logit_scale: torch.Tensor) -> None:
-        """Write the trained model (towers, the trainer's logit scale, tokenizer) as a folder that
-        ``ClipModel.load`` / ``load_clip`` read."""
-        towers.save(folder, tokenizer=self.tokenizer, logit_scale=logit_scale)
+    def save_pretrained(self, folder: str, towers: ClipModel, logit_scale: torch.Tensor,
+                        logit_bias: Optional[torch.Tensor] = None) -> None:
+        """Write the trained model (towers, the trainer's logit scale and, for SigLIP, bias,
+        tokenizer) as a folder that ``ClipModel.load`` / ``load_clip`` read."""
+        towers.save(folder, tokenizer=self.tokenizer, logit_scale=logit_scale, logit_bias=logit_bias)

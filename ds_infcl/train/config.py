@@ -79,7 +79,9 @@ class LossConfig:
     the task's default (CLIP is symmetric with a learnable scale, retrieval one-directional with
     a fixed scale of 20). ``impl`` may also name a FastCLIP loss (``fastclip_v0`` .. ``fastclip_v3``,
     ``sogclr``, ``isogclr``): ``FastCLIPLoss`` built with ``args`` (``num_samples`` required,
-    e.g. ``steps_per_epoch``); ``args`` is only used by those."""
+    e.g. ``steps_per_epoch``); ``args`` is only used by those. ``impl: siglip`` is SigLIP's sigmoid
+    loss (``SigLIPLoss``: learnable scale and bias, init ``log 10`` and ``init_logit_bias`` -10;
+    ``learnable_scale: false`` fixes both; ``symmetric`` does not apply)."""
 
     impl: str = "infcl"
     backend: str = "auto"
@@ -88,6 +90,7 @@ class LossConfig:
     init_logit_scale: Optional[float] = None
     max_logit_scale: Optional[float] = None
     learnable_scale: Optional[bool] = None
+    init_logit_bias: Optional[float] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -305,7 +308,11 @@ def _validate(cfg: RunConfig) -> None:
     from ds_infcl.ops import BACKENDS
 
     fastclip = _fastclip_names()
-    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip)
+    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip + ("siglip",))
+    if cfg.loss.impl == "siglip" and cfg.loss.symmetric is not None:
+        raise ConfigError("loss.symmetric: not used by loss.impl 'siglip' (its pairwise loss has no direction)")
+    if cfg.loss.impl != "siglip" and cfg.loss.init_logit_bias is not None:
+        raise ConfigError(f"loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is {cfg.loss.impl!r}")
     if cfg.loss.impl in fastclip:
         if "num_samples" not in cfg.loss.args:
             raise ConfigError(

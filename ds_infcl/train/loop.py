@@ -287,8 +287,12 @@ def _export(engine, task, folder: str, rank: int) -> None:
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         if rank == 0:
-            logit_scale = engine.module.loss.logit_scale.detach().float().reshape(()).cpu().clone()
-            task.save_pretrained(folder, engine.module.towers, logit_scale)
+            loss = engine.module.loss
+            logit_scale = loss.logit_scale.detach().float().reshape(()).cpu().clone()
+            extra = {}
+            if isinstance(getattr(loss, "logit_bias", None), torch.Tensor):  # SigLIP
+                extra["logit_bias"] = loss.logit_bias.detach().float().reshape(()).cpu().clone()
+            task.save_pretrained(folder, engine.module.towers, logit_scale, **extra)
     dist.barrier()
     if rank == 0:
         print(f"[ds_infcl] exported the final model to {folder}", flush=True)

@@ -7,51 +7,59 @@ gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
   (the uncached step); ``loss_kwargs`` (labels and the batch's extra loss inputs) go to the loss.
 - ``"encode"``, ``"encode_query"``, ``"encode_key"``: features only (GradCache's first pass,
   evaluation).
-- ``"logit_scale"``: the current ``logit_scale`` value, detached (GradCache computes the loss
-  outside the engine on a copy of it).
+- ``"logit_scale"``: the current ``logit_scale`` value, detached (for logging).
+- ``"loss_params"``: detached copies of the loss module's own parameters (``logit_scale``, and
+  ``logit_bias`` for SigLIP), in ``loss_param_names`` order (GradCache computes the loss outside
+  the engine on copies of them).
 - ``"surrogate"``: re-encode one chunk and return
-  ``(sum(q * dL/dq) + sum(k * dL/dk) + logit_scale * dL/dlogit_scale, q, k)``: the gradient of the
-  first with respect to every parameter is that chunk's share of the exact gradient (GradCache's
-  second pass); the detached features let the caller verify the RNG replay.
+  ``(sum(q * dL/dq) + sum(k * dL/dk) + sum_p p * dL/dp, q, k)`` over the loss parameters ``p``: the
+  gradient of the first with respect to every parameter is that chunk's share of the exact
+  gradient (GradCache's second pass); the detached features let the caller verify the RNG replay.
 
-The logit scale is a parameter of the loss submodule that ``"logit_scale"`` and ``"surrogate"``
-read from this module's own forward; it is registered as an external parameter so that ZeRO-3
-gathers it there too. A 0-dim ``logit_scale`` is re-registered with shape ``[1]`` (DeepSpeed cannot
-broadcast 0-dim parameters); the loss module's maths is unchanged.
+The loss parameters belong to the loss submodule; ``"loss_params"`` and ``"surrogate"`` read them
+from this module's own forward, so they are registered as external parameters and ZeRO-3 gathers
+them there too. A 0-dim parameter is re-registered with shape ``[1]`` (DeepSpeed cannot broadcast
+0-dim parameters); the loss module's maths is unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ds_infcl.train.task import tree_map
 
-__all__ = ["ContrastiveModel", "loss_with_logit_scale"]
+__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names"]
 
-MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "surrogate")
+MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate")
 
 
-def loss_with_logit_scale(loss_module: nn.Module, logit_scale: Optional[torch.Tensor], query, key, **loss_kwargs):
-    """``loss_module(query, key, **loss_kwargs)`` with ``logit_scale`` (a fresh ``nn.Parameter``
-    leaf, or ``None`` to keep the module's own) in place of the module's parameter.
+def loss_param_names(loss_module: nn.Module) -> Tuple[str, ...]:
+    """Names of the loss module's own learnable parameters (``logit_scale``, SigLIP's
+    ``logit_bias``), in registration order."""
+    return tuple(name for name, _ in loss_module.named_parameters(recurse=False))
+
+
+def loss_with_params(loss_module: nn.Module, params: Optional[Dict[str, torch.Tensor]], query, key, **loss_kwargs):
+    """``loss_module(query, key, **loss_kwargs)`` with ``params`` (name -> a fresh
+    ``nn.Parameter`` leaf; ``None`` keeps the module's own) in place of the module's parameters.
 
     The module's ``forward`` is called directly, not through ``__call__``: no hooks run, so under
-    ZeRO-3 the swapped-in leaf is never taken for a partitioned parameter. The swap is undone on
+    ZeRO-3 the swapped-in leaves are never taken for partitioned parameters. The swap is undone on
     exit.
     """
     forward = type(loss_module).forward
-    if logit_scale is None:
+    if not params:
         return forward(loss_module, query, key, **loss_kwargs)
-    params = loss_module._parameters
-    original = params["logit_scale"]
-    params["logit_scale"] = logit_scale
+    registered = loss_module._parameters
+    original = {name: registered[name] for name in params}
+    registered.update(params)
     try:
         return forward(loss_module, query, key, **loss_kwargs)
     finally:
-        params["logit_scale"] = original
+        registered.update(original)
 
 
 class ContrastiveModel(nn.Module):
@@ -71,14 +79,17 @@ class ContrastiveModel(nn.Module):
                 raise TypeError(f"the task's towers must have a method {name}(inputs)")
         self.towers = towers
         self.loss = loss
-        if isinstance(loss.logit_scale, nn.Parameter) and loss.logit_scale.dim() == 0:
-            # DeepSpeed 0.19.8 broadcasts parameters as p.data.view(torch.uint8), which fails on a
-            # 0-dim tensor ("self.dim() cannot be 0 to view Float as Byte"): hold it as shape [1].
-            loss.logit_scale = nn.Parameter(loss.logit_scale.detach().reshape(1).clone())
-        if isinstance(loss.logit_scale, nn.Parameter):
+        self.loss_param_names = loss_param_names(loss)
+        for name in self.loss_param_names:
+            param = getattr(loss, name)
+            if param.dim() == 0:
+                # DeepSpeed 0.19.8 broadcasts parameters as p.data.view(torch.uint8), which fails on
+                # a 0-dim tensor ("self.dim() cannot be 0 to view Float as Byte"): hold it as [1].
+                param = nn.Parameter(param.detach().reshape(1).clone())
+                setattr(loss, name, param)
             import deepspeed
 
-            deepspeed.zero.register_external_parameter(self, loss.logit_scale)
+            deepspeed.zero.register_external_parameter(self, param)
 
     @property
     def learnable_scale(self) -> bool:
@@ -108,7 +119,7 @@ class ContrastiveModel(nn.Module):
         loss_kwargs: Optional[dict] = None,
         query_grad: Optional[torch.Tensor] = None,
         key_grad: Optional[torch.Tensor] = None,
-        scale_grad: Optional[torch.Tensor] = None,
+        param_grads: Optional[Sequence[torch.Tensor]] = None,
     ):
         if mode == "loss":
             q = self.encode_query(query_inputs)
@@ -122,11 +133,13 @@ class ContrastiveModel(nn.Module):
             return self.encode_key(key_inputs)
         if mode == "logit_scale":
             return self.loss.logit_scale.detach().clone()
+        if mode == "loss_params":
+            return tuple(getattr(self.loss, name).detach().clone() for name in self.loss_param_names)
         if mode == "surrogate":
             q = self.encode_query(query_inputs)
             k = self.encode_key(key_inputs)
             out = (q.float() * query_grad).sum() + (k.float() * key_grad).sum()
-            if scale_grad is not None and self.learnable_scale:
-                out = out + (self.loss.logit_scale.float() * scale_grad).sum()
+            for name, grad in zip(self.loss_param_names, param_grads or ()):
+                out = out + (getattr(self.loss, name).float() * grad).sum()
             return out, q.detach(), k.detach()
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")

@@ -9,16 +9,17 @@ the global loss, ``engine.backward(loss)``, ``engine.step()``.
    chunk (dropout must draw the same masks in pass 3). Only the chunk being encoded is on the
    device (the batch itself stays in, possibly pinned, CPU memory); the features of the whole
    local batch stay on the device.
-2. Compute the global loss once from the cached features and a detached copy of ``logit_scale``,
-   and its gradients ``dL/dq``, ``dL/dk``, ``dL/dlogit_scale`` with ``torch.autograd.grad``.
+2. Compute the global loss once from the cached features and detached copies of the loss's own
+   parameters (``logit_scale``; SigLIP's ``logit_bias`` too), and its gradients ``dL/dq``,
+   ``dL/dk`` and ``dL/dp`` for those parameters with ``torch.autograd.grad``.
    Nothing here touches a parameter, so ZeRO's gradient hooks do not fire.
 3. For chunk ``i``: restore its RNG state, re-encode it with gradients and back-propagate the
-   surrogate ``sum(q_i * dL/dq_i) + sum(k_i * dL/dk_i) [+ logit_scale * dL/dlogit_scale]`` as one
+   surrogate ``sum(q_i * dL/dq_i) + sum(k_i * dL/dk_i) [+ sum_p p * dL/dp]`` as one
    DeepSpeed micro-step: ``engine.backward(surrogate, scale_wrt_gas=False)`` (the cached gradients
    are already the exact gradient of the global loss, so DeepSpeed's ``1/gas`` scaling is undone),
    then ``engine.step()`` (an optimizer step only at the accumulation boundary, after the last
-   chunk). The scale term carries ``dL/dlogit_scale`` in the last chunk and 0 in the others: the
-   scale's gradient is counted once per step, while every micro-step still gives every parameter
+   chunk). The parameter terms carry ``dL/dp`` in the last chunk and 0 in the others: the
+   loss parameters' gradients are counted once per step, while every micro-step still gives every parameter
    a gradient (ZeRO sees one backward per micro-step and the same set of gradients each time).
 
 Summed over chunks, the gradient of every parameter is the gradient of the loss over the whole
@@ -37,7 +38,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from ds_infcl.train.model import loss_with_logit_scale
+from ds_infcl.train.model import loss_with_params
 from ds_infcl.train.task import Batch
 
 __all__ = ["StepResult", "uncached_step", "grad_cache_step", "move_batch", "get_rng_state", "set_rng_state"]
@@ -82,17 +83,20 @@ def uncached_step(engine, batch: Batch, device: torch.device) -> StepResult:
     return StepResult(float(loss.detach()), 1)
 
 
-def _feature_gradients(loss_module, query, key, loss_kwargs, logit_scale, learnable: bool):
+def _feature_gradients(loss_module, query, key, loss_kwargs, names, values):
+    """The loss and its gradients for the features and the loss parameters ``names`` (leaves
+    made from ``values``)."""
     leaf_dtype = torch.float32 if query.dtype == torch.float16 else query.dtype
     q = query.detach().to(leaf_dtype).requires_grad_(True)
     k = key.detach().to(leaf_dtype).requires_grad_(True)
-    scale_dtype = torch.float32 if query.dtype == torch.float16 else logit_scale.dtype
-    s = nn.Parameter(logit_scale.detach().to(scale_dtype)) if learnable else None
+    params = {
+        name: nn.Parameter(v.detach().to(torch.float32 if query.dtype == torch.float16 else v.dtype))
+        for name, v in zip(names, values)
+    }
     with torch.enable_grad():
-        loss = loss_with_logit_scale(loss_module, s, q, k, **loss_kwargs)
-        grads = torch.autograd.grad(loss, [q, k, s] if learnable else [q, k])
-    scale_grad = grads[2].float() if learnable else None
-    return loss.detach(), grads[0].float(), grads[1].float(), scale_grad
+        loss = loss_with_params(loss_module, params, q, k, **loss_kwargs)
+        grads = torch.autograd.grad(loss, [q, k, *params.values()])
+    return loss.detach(), grads[0].float(), grads[1].float(), tuple(g.float() for g in grads[2:])
 
 
 def grad_cache_step(
@@ -134,17 +138,17 @@ def grad_cache_step(
             q, k = engine("encode", dev.query_inputs, dev.key_inputs)
             q_parts.append(q)
             k_parts.append(k)
-        logit_scale = engine("logit_scale")
+        loss_params = engine("loss_params")
     rng_after = get_rng_state(device)
     query = torch.cat(q_parts)
     key = torch.cat(k_parts)
     del q_parts, k_parts
 
-    # Pass 2: the global loss and its gradients with respect to the features and the scale, once.
-    loss, grad_q, grad_k, grad_s = _feature_gradients(
-        model.loss, query, key, _loss_kwargs(engine, batch, device), logit_scale, model.learnable_scale
+    # Pass 2: the global loss and its gradients for the features and the loss parameters, once.
+    loss, grad_q, grad_k, grad_p = _feature_gradients(
+        model.loss, query, key, _loss_kwargs(engine, batch, device), model.loss_param_names, loss_params
     )
-    zero_s = None if grad_s is None else torch.zeros_like(grad_s)
+    zero_p = tuple(torch.zeros_like(g) for g in grad_p)
 
     # Pass 3: one DeepSpeed micro-step per chunk.
     start = 0
@@ -158,7 +162,7 @@ def grad_cache_step(
         surrogate, q, k = engine(
             "surrogate", dev.query_inputs, dev.key_inputs, None,
             grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq],
-            grad_s if last else zero_s,
+            grad_p if last else zero_p,
         )
         if verify_replay:
             _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])

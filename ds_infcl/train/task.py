@@ -144,6 +144,17 @@ class Task:
         from ds_infcl.loss import ContrastiveLoss
         from ds_infcl.train.config import _fastclip_names
 
+        if loss_config.impl == "siglip":
+            # SigLIP's own defaults (scale 10, bias -10); the task's InfoNCE defaults do not apply.
+            from ds_infcl.loss import SigLIPLoss
+
+            kwargs = {key: getattr(loss_config, key) for key in ("init_logit_scale", "max_logit_scale")
+                      if getattr(loss_config, key) is not None}
+            if loss_config.init_logit_bias is not None:
+                kwargs["init_logit_bias"] = loss_config.init_logit_bias
+            if loss_config.learnable_scale is not None:
+                kwargs["learnable"] = loss_config.learnable_scale
+            return SigLIPLoss(backend=loss_config.backend, tile_size=loss_config.tile_size, **kwargs)
         if loss_config.impl in _fastclip_names():
             from ds_infcl.loss import build_fastclip_loss
 

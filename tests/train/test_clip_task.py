@@ -102,3 +102,37 @@ def test_infcl_and_vanilla_give_the_same_digits_loss_curve(digits_dir, tmp_path)
     a, b = torch.tensor(curves["infcl"]), torch.tensor(curves["vanilla"])
     assert a.shape == (50,) and a[-1] < a[0] - 0.5  # it trains
     assert (a - b).abs().max().item() < 1e-4, (a - b).abs().max().item()  # measured 4.5e-6
+
+
+def test_caption_positives_and_siglip_export(digits_dir, tmp_path):
+    """``positives: caption``: equal captions get equal ids (the batch's loss inputs), different
+    captions different ids; it needs SigLIP; a SigLIP export writes the bias and reloads."""
+    from types import SimpleNamespace
+
+    from ds_infcl.loss import SigLIPLoss
+    from ds_infcl.train.clip_task import caption_ids
+
+    task = ClipTask(digits_dir, positives="caption")
+    task.build_towers()
+    batch = next(task.batches(rank=0, world_size=1, local_batch_size=64, start_step=0, seed=0))
+    ids = batch["loss_inputs"]["query_ids"]
+    assert torch.equal(ids, batch["loss_inputs"]["key_ids"])
+    tokens = batch["key_inputs"]["input_ids"]
+    for i in range(64):
+        for j in range(64):
+            assert (ids[i] == ids[j]) == torch.equal(tokens[i], tokens[j])
+    assert len(set(ids.tolist())) < 64  # the digits repeat captions within a batch
+    # Padding beyond the mask does not change an id.
+    mask = torch.tensor([[1, 1, 0]])
+    assert caption_ids(torch.tensor([[5, 7, 0]]), mask) == caption_ids(torch.tensor([[5, 7, 9]]), mask)
+    with pytest.raises(ValueError, match="needs loss.impl 'siglip'"):
+        task.build_loss(SimpleNamespace(impl="infcl"))
+    with pytest.raises(ValueError, match="positives must be"):
+        ClipTask(digits_dir, positives="class")
+    loss = task.build_loss(SimpleNamespace(impl="siglip", init_logit_scale=None, max_logit_scale=None,
+                                           init_logit_bias=-3.0, learnable_scale=None, backend="torch",
+                                           tile_size=None))
+    assert isinstance(loss, SigLIPLoss) and loss.logit_bias.item() == -3.0
+    task.save_pretrained(str(tmp_path / "export"), task._towers, loss.logit_scale, loss.logit_bias)
+    model = ClipModel.load(str(tmp_path / "export"))
+    assert isinstance(model.loss, SigLIPLoss) and model.loss.logit_bias.item() == -3.0

@@ -35,6 +35,9 @@ def _grid_jobs():
     if _fastclip_available():
         jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
         jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
+    # SigLIP: the loss owns the scale and the bias; both must match one process.
+    jobs.append(h.job("sg_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP))
+    jobs.append(h.job("sg_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP + gc))
     if h.ring_available():
         jobs.append(h.job("infcl_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"]))
         jobs.append(h.job("infcl_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"] + gc))
@@ -97,6 +100,7 @@ def runs(tmp_path_factory):
     refs.append(h.job("bench_tiny", "zero2.json", [], h.COMMON + [
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
         "batch.verify_replay=true"]))
+    refs.append(h.job("ref_sg", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP))
     if _fastclip_available():
         refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
     if _clip_task_available():
@@ -115,6 +119,9 @@ def runs(tmp_path_factory):
 # FastCLIP v3 over a finite synthetic data set (48 pairs = 2 global batches per epoch).
 FASTCLIP = ["loss.impl=fastclip_v3", 'loss.args={"num_samples": 48, "steps_per_epoch": 2}',
             'task.args={"num_samples": 48}']
+
+
+SIGLIP = ["loss.impl=siglip", "loss.init_logit_bias=-2.0"]
 
 
 def _fastclip_available():
@@ -265,3 +272,14 @@ def test_fastclip_loss_matches_single_process(runs, case):
     _assert_close(h.params(runs / "ref_fc"), h.params(runs / case), "fp32")
     assert h.summary(runs / case)["losses"] == pytest.approx(h.summary(runs / "ref_fc")["losses"], rel=1e-5)
     assert h.summary(runs / case)["final_logit_scale"] == pytest.approx(h.summary(runs / "ref_fc")["final_logit_scale"], rel=1e-6)
+
+
+@pytest.mark.parametrize("case", ["sg_z2", "sg_gc3"])
+def test_siglip_loss_matches_single_process(runs, case):
+    """SigLIP (learnable scale and bias owned by the loss) on 2 ranks, uncached under ZeRO-2 and
+    GradCache under ZeRO-3, against one process: every parameter (the bias included) and the loss
+    trajectory."""
+    ref, got = h.params(runs / "ref_sg"), h.params(runs / case)
+    assert "loss.logit_bias" in ref and "loss.logit_scale" in ref
+    _assert_close(ref, got, "fp32")
+    assert h.summary(runs / case)["losses"] == pytest.approx(h.summary(runs / "ref_sg")["losses"], rel=1e-5)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ds_infcl.loss import ContrastiveLoss
-from ds_infcl.train.model import ContrastiveModel, loss_with_logit_scale
+from ds_infcl.loss import ContrastiveLoss, SigLIPLoss
+from ds_infcl.train.model import ContrastiveModel, loss_with_params
 from ds_infcl.train.steps import grad_cache_step, uncached_step
 from ds_infcl.train.task import Batch, SyntheticTask
 
@@ -44,14 +44,15 @@ class FakeEngine:
         self.micro_steps += 1
 
 
-def _model(dropout=0.0, symmetric=True, seed=0):
+def _model(dropout=0.0, symmetric=True, seed=0, siglip=False):
     torch.manual_seed(seed)
     task = SyntheticTask(dropout=dropout)
-    return ContrastiveModel(task.build_towers(), ContrastiveLoss(symmetric=symmetric, impl="infcl")), task
+    loss = SigLIPLoss(init_logit_bias=-2.0) if siglip else ContrastiveLoss(symmetric=symmetric, impl="infcl")
+    return ContrastiveModel(task.build_towers(), loss), task
 
 
-def _grads(engine_factory, batch, chunk, dropout=0.0, dtype=torch.float32):
-    model, _ = _model(dropout)
+def _grads(engine_factory, batch, chunk, dropout=0.0, dtype=torch.float32, siglip=False):
+    model, _ = _model(dropout, siglip=siglip)
     model.to(dtype)
     engine = engine_factory(model)
     torch.manual_seed(123)
@@ -79,6 +80,21 @@ def test_grad_cache_equals_uncached(chunk, dtype):
             assert (got_g - g.float()).norm() <= 3e-2 * g.float().norm() + 1e-6, name
     # The scale's gradient is counted once per step, not once per chunk.
     assert ref_engine.step_grads["loss.logit_scale"].abs().item() > 1e-4
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_grad_cache_equals_uncached_siglip(chunk):
+    # SigLIP: the loss owns two parameters (scale and bias); GradCache carries both gradients once.
+    batch = next(SyntheticTask().batches(rank=0, world_size=1, local_batch_size=20, start_step=0, seed=0))
+    ref, ref_engine = _grads(lambda m: FakeEngine(m, 1), batch, None, siglip=True)
+    num_chunks = math.ceil(20 / chunk)
+    got, engine = _grads(lambda m: FakeEngine(m, num_chunks), batch, chunk, siglip=True)
+    assert got.loss == pytest.approx(ref.loss, rel=1e-6)
+    assert set(engine.step_grads) == set(ref_engine.step_grads)
+    for name, g in ref_engine.step_grads.items():
+        torch.testing.assert_close(engine.step_grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in ("loss.logit_scale", "loss.logit_bias"):
+        assert ref_engine.step_grads[name].abs().item() > 1e-4
 
 
 def test_dropout_is_replayed_exactly():
@@ -165,11 +181,11 @@ def _copy(module):
     return copy.deepcopy(module)
 
 
-def test_loss_with_logit_scale_swaps_and_restores():
+def test_loss_with_params_swaps_and_restores():
     loss = ContrastiveLoss()
     q, k = torch.randn(5, 8), torch.randn(5, 8)
     leaf = nn.Parameter(torch.tensor(1.0))
-    value = loss_with_logit_scale(loss, leaf, q, k, labels=None)
+    value = loss_with_params(loss, {"logit_scale": leaf}, q, k, labels=None)
     (grad,) = torch.autograd.grad(value, [leaf])
     assert grad.abs() > 0 and loss.logit_scale.grad is None
     assert isinstance(loss.logit_scale, nn.Parameter) and loss.logit_scale is not leaf
