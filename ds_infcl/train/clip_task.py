@@ -177,18 +177,19 @@ class ClipTask:
         self.random_crop = random_crop
         self.eval_batch_size = eval_batch_size
 
-        tok_dir = tokenizer_path or model_path
-        if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-            self.tokenizer = CaptionTokenizer.load(tok_dir)
-        else:
-            self.tokenizer = CaptionTokenizer.train(
-                read_captions(train_shards), kind=tokenizer_kind, context_length=context_length,
-                vocab_size=vocab_size,
-            )
+        self.tokenizer = self._build_tokenizer(tokenizer_path or model_path, tokenizer_kind, context_length,
+                                               vocab_size)
         self._towers: Optional[ClipModel] = None
         self._heldout: Optional[List[Dict[str, Any]]] = None
         self.tally = BadSampleTally()
         self.batches_consumed = 0
+
+    def _build_tokenizer(self, tok_dir, kind: str, context_length: int, vocab_size: int):
+        """The caption tokenizer: loaded from ``tok_dir``, else trained on the training captions."""
+        if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+            return CaptionTokenizer.load(tok_dir)
+        return CaptionTokenizer.train(read_captions(self.train_shards), kind=kind, context_length=context_length,
+                                      vocab_size=vocab_size)
 
     # -- the Task interface ----------------------------------------------------------------------
 

@@ -82,10 +82,14 @@ def demo_run_config(
     }
 
 
-def _print_digits(s: dict) -> None:
+_LOSS_NAMES = {"infcl": "Inf-CL loss", "siglip": "SigLIP loss"}
+
+
+def _print_digits(s: dict, impl: str = "infcl") -> None:
     ev = s.get("eval", {})
     n = int(ev.get("num_images", 0))
-    print("\n=== ds_infcl demo: CLIP on the scikit-learn digits, Inf-CL loss, DeepSpeed ZeRO-2 ===")
+    print(f"\n=== ds_infcl demo: CLIP on the scikit-learn digits, {_LOSS_NAMES.get(impl, impl + ' loss')}, "
+          "DeepSpeed ZeRO-2 ===")
     loss = f", loss {s['losses'][0]:.4f} -> {s['losses'][-1]:.4f}" if s["losses"] else ""
     print(f"ranks {s['world_size']}, global batch {s['global_batch_size']}, steps {s['steps']}{loss}")
     if "zero_shot_top1" in ev:
@@ -194,7 +198,10 @@ def main(argv=None) -> int:
     if not trained:  # --resume of a finished run: show its last evaluation
         print(f"[demo] nothing to train: the run in {out} had reached step {s['steps']}; its last evaluation:")
         s["eval"] = _last_eval(os.path.join(out, "eval.csv")) or s.get("eval", {})
-    (_print_digits if args.task == "digits" else _print_synthetic)(s)
+    if args.task == "digits":
+        _print_digits(s, args.impl)
+    else:
+        _print_synthetic(s)
     if trained:
         print(f"{s['samples_per_s']:.0f} samples/s, peak memory {s['peak_mem_mib']:.0f} MiB per rank, wall {wall:.1f} s")
     print(f"metrics: {out}/metrics.csv, eval: {out}/eval.csv, checkpoint: {out}/checkpoints")

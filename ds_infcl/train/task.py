@@ -206,6 +206,7 @@ _LAZY_TASKS = {
     "clip": "ds_infcl.train.clip_task:ClipTask",
     "bench_clip": "ds_infcl.train.bench_task:BenchClipTask",
     "retrieval": "ds_infcl.train.retrieval_task:RetrievalTask",
+    "open_clip": "ds_infcl.train.open_clip_task:OpenClipTask",
 }
 
 

@@ -136,3 +136,18 @@ def test_caption_positives_and_siglip_export(digits_dir, tmp_path):
     task.save_pretrained(str(tmp_path / "export"), task._towers, loss.logit_scale, loss.logit_bias)
     model = ClipModel.load(str(tmp_path / "export"))
     assert isinstance(model.loss, SigLIPLoss) and model.loss.logit_bias.item() == -3.0
+
+
+def test_open_clip_task_without_a_working_open_clip_is_a_clear_error(digits_dir):
+    """On this CPU machine ``import open_clip`` fails (torchvision); the task says what to install
+    instead of a traceback from inside OpenCLIP. (tests/gpu/test_open_clip_task.py trains it.)"""
+    try:
+        import open_clip  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pass
+    else:  # pragma: no cover - a machine with a working torchvision
+        pytest.skip("open_clip imports here: the GPU test trains the task")
+    from ds_infcl.train.task import get_task
+
+    with pytest.raises(ValueError, match="needs open_clip_torch with a working torchvision"):
+        get_task("open_clip", {"data_dir": digits_dir, "model_name": "ViT-B-32"})
