@@ -29,6 +29,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ds_infcl.loss.functional import _as_scale_tensor
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
 from ds_infcl.ops.validation import check_inputs
@@ -69,7 +70,6 @@ def _ring_forward(query, key, s, t, qid, kid, backend, tile_size, layout: RingLa
 
 def _ring_backward(query, key, s, t, qid, kid, weight, backend, tile_size, layout: RingLayout, group):
     b, c = query.shape
-    m = key.shape[0]
     dq = torch.zeros((b, c), device=query.device, dtype=_F32)
     ds = torch.zeros((), device=query.device, dtype=_F32)
     dt = torch.zeros((), device=query.device, dtype=_F32)
@@ -101,7 +101,7 @@ def _ring_backward(query, key, s, t, qid, kid, weight, backend, tile_size, layou
     if layout.world == 1:
         dk = dk_acc
     else:  # dk_acc is the complete gradient of rank (r + 1)'s keys: send it home
-        dk = torch.empty((m, c), device=key.device, dtype=_F32)
+        dk = torch.empty((key.shape[0], c), device=key.device, dtype=_F32)
         wait_all(post_ring_shift([dk_acc], [dk], layout, group))
     return dq, dk, ds, dt
 
@@ -132,13 +132,6 @@ class SigLIPRingFunction(torch.autograd.Function):
                 ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
                 dt.reshape(t_shape) if ctx.needs_input_grad[3] else None,
                 None, None, None, None, None, None)
-
-
-def _as_tensor(value: Scalar, device: torch.device) -> torch.Tensor:
-    if torch.is_tensor(value):
-        return value.reshape(()).to(device=device, dtype=_F32)
-    # a fill, not a host-to-device copy (which would wait for the GPU queue)
-    return torch.full((), float(value), device=device, dtype=_F32)
 
 
 def _check_ids(query_ids, key_ids, labels, b: int, m: int) -> None:
@@ -210,7 +203,7 @@ def siglip_loss(
         _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
         backend = resolve_backend(backend, query.device)
     device = query.device
-    s, t = _as_tensor(scale, device), _as_tensor(bias, device)
+    s, t = _as_scale_tensor(scale, device), _as_scale_tensor(bias, device)
     if world == 1:
         qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
                               key_ids=key_ids)
