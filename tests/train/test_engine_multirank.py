@@ -75,10 +75,12 @@ def _offload_jobs():
 
 # GradCache with dropout (RNG replay) and AdamW: 6 steps straight vs 3 + resume to 6.
 RESUME = ["batch.global_batch_size=24", "batch.grad_cache=true", "batch.chunk_size=6",
-          'task.args={"dropout": 0.1}', "logging.progress_bar=false", "eval.at_end=false"] + GATHER
+          'task.args={"dropout": 0.1}', "logging.progress_bar=false", "eval.at_end=false"]
+# The gather loss under ZeRO-2 and -3, and SigLIP (its scale and bias in the checkpoint) under ZeRO-3.
+RESUME_LOSS = {"": GATHER, "_siglip": ["loss.impl=siglip", "loss.init_logit_bias=-2.0"]}
+RESUME_CASES = [(2, ""), (3, ""), (3, "_siglip")]
 # The schedule length is fixed: the interrupted run differs only in stopping at step 3 (a
 # restored scheduler keeps the length it was saved with).
-RESUME_STAGES = [2, 3]
 RESUME_DS = ["bf16.enabled=false", 'optimizer={"type": "AdamW", "params": {"lr": 0.01}}',
              "scheduler.params.total_num_steps=6", "scheduler.params.warmup_num_steps=2"]
 
@@ -89,10 +91,12 @@ def runs(tmp_path_factory):
     jobs = _grid_jobs() + _optimizer_jobs() + _offload_jobs() + [
     ] + [
         job
-        for stage in RESUME_STAGES
+        for stage, loss in RESUME_CASES
         for job in (
-            h.job(f"resume{stage}_full", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=6", "checkpoint.every_steps=3"]),
-            h.job(f"resume{stage}_part", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=3"]),
+            h.job(f"resume{stage}{loss}_full", f"zero{stage}.json", RESUME_DS,
+                  RESUME + RESUME_LOSS[loss] + ["train.num_steps=6", "checkpoint.every_steps=3"]),
+            h.job(f"resume{stage}{loss}_part", f"zero{stage}.json", RESUME_DS,
+                  RESUME + RESUME_LOSS[loss] + ["train.num_steps=3"]),
         )
     ]
     h.run_jobs(h.write_jobs(out, jobs, "two_ranks.json"), 2)
@@ -109,8 +113,10 @@ def runs(tmp_path_factory):
             "batch.global_batch_size=32", "batch.grad_cache=true", "batch.chunk_size=16", "train.num_steps=2",
             "logging.progress_bar=false", "checkpoint.at_end=false"]))
     h.run_jobs(h.write_jobs(out, refs, "one_rank.json"), 1)
-    resumed = [h.job(f"resume{stage}_part", f"zero{stage}.json", RESUME_DS, RESUME + ["train.num_steps=6"],
-                     resume=str(out / f"resume{stage}_part" / "checkpoints")) for stage in RESUME_STAGES]
+    resumed = [h.job(f"resume{stage}{loss}_part", f"zero{stage}.json", RESUME_DS,
+                     RESUME + RESUME_LOSS[loss] + ["train.num_steps=6"],
+                     resume=str(out / f"resume{stage}{loss}_part" / "checkpoints"))
+               for stage, loss in RESUME_CASES]
     h.run_jobs(h.write_jobs(out, resumed, "resumed.json"), 2)
     _two_nodes(out)
     return out
@@ -208,13 +214,14 @@ def test_optimizer_from_deepspeed_json(runs, name):
     assert all(torch.isfinite(v).all() for v in p.values())
 
 
-@pytest.mark.parametrize("stage", RESUME_STAGES)
-def test_resume_continues_as_if_never_stopped(runs, stage):
-    full, part = h.csv_losses(runs / f"resume{stage}_full"), h.csv_losses(runs / f"resume{stage}_part")
+@pytest.mark.parametrize("stage,loss", RESUME_CASES)
+def test_resume_continues_as_if_never_stopped(runs, stage, loss):
+    name = f"resume{stage}{loss}"
+    full, part = h.csv_losses(runs / f"{name}_full"), h.csv_losses(runs / f"{name}_part")
     assert sorted(part) == list(range(1, 7))
     assert part == full  # bit-identical losses on CPU, including steps 4-6 after the resume
-    assert h.max_abs_diff(h.params(runs / f"resume{stage}_full"), h.params(runs / f"resume{stage}_part")) == 0.0
-    s = h.summary(runs / f"resume{stage}_part")
+    assert h.max_abs_diff(h.params(runs / f"{name}_full"), h.params(runs / f"{name}_part")) == 0.0
+    s = h.summary(runs / f"{name}_part")
     assert s["start_step"] == 3 and s["steps"] == 6
 
 
