@@ -19,7 +19,7 @@ import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
 from ds_infcl.ops import compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
-from ds_infcl.ops.validation import check_inputs
+from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import agree_on_input_errors, group_size
 
 __all__ = ["lse", "contrastive_loss", "clip_loss", "positive_logits", "compose_infonce"]
@@ -63,7 +63,8 @@ def lse(
             group when DeepSpeed is initialized with a mesh or model parallelism, else the world
             group if torch.distributed is initialized, else a single process (no communication).
             With more than one rank the key blocks travel around a ring.
-        tile_size: tile edge of the torch backend (default ``ds_infcl.ops.default_tile_size``).
+        tile_size: tile edge of the torch backend, a positive integer (default
+            ``ds_infcl.ops.default_tile_size``).
         check_finite: raise on NaN/Inf features (costs one pass over the inputs).
 
     Returns:
@@ -75,6 +76,7 @@ def lse(
             non-finite features, an unknown backend.
     """
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+        check_tile_size(tile_size)
         check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
                      allow_empty=group_size(group) > 1)
     if exclude_positive:
@@ -155,6 +157,7 @@ def contrastive_loss(
     world = group_size(group)
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         fn = get_loss_impl(impl)
+        check_tile_size(tile_size)
         check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1)
     labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
     scale_t = _as_scale_tensor(scale, query.device)

@@ -12,6 +12,7 @@ from torch import nn
 from ds_infcl.loss.functional import contrastive_loss
 from ds_infcl.loss.registry import get_loss_impl
 from ds_infcl.ops.lse import BACKENDS
+from ds_infcl.ops.validation import check_tile_size
 
 __all__ = ["ContrastiveLoss", "ClipLoss"]
 
@@ -61,6 +62,7 @@ class ContrastiveLoss(nn.Module):
     ):
         super().__init__()
         get_loss_impl(impl)  # fail at construction on an unknown name
+        check_tile_size(tile_size)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if init_logit_scale > max_logit_scale:

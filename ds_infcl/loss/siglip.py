@@ -32,7 +32,7 @@ from torch import nn
 from ds_infcl.loss.functional import _as_scale_tensor
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
-from ds_infcl.ops.validation import check_inputs
+from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -198,6 +198,7 @@ def siglip_loss(
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_tile_size(tile_size)
         check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
                      allow_empty=world > 1, bias=bias)
         _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
@@ -260,6 +261,7 @@ class SigLIPLoss(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if init_logit_scale > max_logit_scale:
             raise ValueError(f"init_logit_scale {init_logit_scale} exceeds max_logit_scale {max_logit_scale}")
+        check_tile_size(tile_size)
         for name, value in (("logit_scale", init_logit_scale), ("logit_bias", init_logit_bias)):
             tensor = torch.tensor(float(value))
             if learnable:

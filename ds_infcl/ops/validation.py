@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale"]
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -193,3 +193,15 @@ def check_scale(scale: Union[float, int, torch.Tensor]) -> None:
     """Check that the scale (``1 / temperature``) is a finite number or a one-element tensor."""
     _check_scale_structure(scale)
     _device_checks(None, None, scale, None, 0, True)
+
+
+def check_tile_size(tile_size) -> None:
+    """``tile_size`` is ``None`` (the device default) or a positive integer (the tile edge of the
+    torch backend); anything else would tile nothing and return ``-inf`` statistics."""
+    if tile_size is None:
+        return
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(
+            f"tile_size must be a positive integer (the tile edge of the torch backend) or None for the "
+            f"device default, got {tile_size!r}"
+        )

@@ -86,10 +86,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
-        ev = ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary.eval.items()))
+        from ds_infcl.train.metrics import format_metrics
+
+        ev = format_metrics(summary.eval)
         print(
-            f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, logit scale "
-            f"{summary.final_logit_scale:.3f}, {summary.samples_per_s:.1f} samples/s, peak mem "
+            f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, scale "
+            f"{summary.final_scale:.2f} (logit_scale {summary.final_logit_scale:.3f}), "
+            f"{summary.samples_per_s:.1f} samples/s, peak mem "
             f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),
             flush=True,
         )

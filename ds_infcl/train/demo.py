@@ -110,7 +110,7 @@ def _print_synthetic(s: dict) -> None:
     print("\n=== ds_infcl demo: synthetic pairs, Inf-CL loss, DeepSpeed ZeRO-2, GradCache ===")
     print(f"ranks {s['world_size']}, global batch {s['global_batch_size']} ({s['num_chunks']} chunks per rank), steps {s['steps']}")
     if losses:
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; logit scale {s['final_logit_scale']:.3f}")
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; scale {s['final_scale']:.3f}")
     for k, v in sorted(s.get("eval", {}).items()):
         print(f"{k} {v:.4f} (held-out pairs, chance {1 / 256:.4f})")
 

@@ -45,6 +45,7 @@ class TrainSummary:
     wall_s: float
     eval: Dict[str, float] = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    final_scale: float = float("nan")  # exp(final_logit_scale), clamped: the "scale" of the logs
 
 
 class Encoder:
@@ -96,6 +97,11 @@ def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
 def _logit_scale(engine) -> float:
     with torch.no_grad():
         return float(engine("logit_scale").float())
+
+
+def _scale_of(engine, logit_scale: float) -> float:
+    """The scale the loss applies: ``exp(logit_scale)`` clamped as the loss module clamps it."""
+    return math.exp(min(logit_scale, getattr(engine.module.loss, "max_logit_scale", math.inf)))
 
 
 def _log(msg: str, rank: int) -> None:
@@ -218,7 +224,7 @@ def train(
             ls = _logit_scale(engine)
             logger.log_train({
                 "step": step, "loss": result.loss, "logit_scale": ls,
-                "scale": math.exp(min(ls, getattr(engine.module.loss, "max_logit_scale", math.inf))),
+                "scale": _scale_of(engine, ls),
                 "lr": float(engine.get_lr()[0]) if engine.get_lr() else float("nan"),
                 "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
                 "peak_mem_mib": peak_memory_mib(device), "samples": samples,
@@ -252,7 +258,7 @@ def train(
         steps=step, start_step=start_step, world_size=world,
         global_batch_size=layout.global_batch_size, num_chunks=layout.num_chunks,
         final_loss=losses[-1] if losses else float("nan"), final_logit_scale=final_scale,
-        losses=losses,
+        final_scale=_scale_of(engine, final_scale), losses=losses,
         samples_per_s=(timed_samples / train_time) if train_time > 0 else float("nan"),
         peak_mem_mib=peak_memory_mib(device), wall_s=time.time() - t_start,
         eval=eval_metrics, notes=notes,

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "peak_memory_mib"]
+__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib"]
 
 TRAIN_COLUMNS = [
     "step", "loss", "logit_scale", "scale", "lr", "samples_per_s", "step_time_s", "peak_mem_mib", "samples",
@@ -149,10 +149,21 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"eval/{k}", v, step)
         if self._bar is not None:
-            self._bar.write(f"[eval step {step}] " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())))
+            self._bar.write(f"[eval step {step}] " + format_metrics(metrics))
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def format_metrics(metrics: dict) -> str:
+    """``k=v, ...`` sorted by name; counts (``num_*``, ``*_samples``) as integers, the rest with
+    four decimals."""
+    def fmt(key, value):
+        if (key.startswith("num_") or key.endswith("_samples")) and float(value).is_integer():
+            return f"{key}={int(value)}"
+        return f"{key}={value:.4f}"
+
+    return ", ".join(fmt(k, v) for k, v in sorted(metrics.items()))

@@ -124,3 +124,25 @@ def test_non_finite_rows_are_counted():
 def test_bad_scale(scale, match):
     with pytest.raises(ValueError, match=match):
         contrastive_loss(*_qk(), scale)
+
+
+@pytest.mark.parametrize("tile_size", [0, -1, -5, 2.5, True])
+def test_bad_tile_size_is_a_value_error(tile_size):
+    """A tile edge below 1 used to tile nothing: -inf statistics and zero gradients, no error."""
+    from ds_infcl.loss import SigLIPLoss, siglip_loss
+
+    q, k = torch.randn(6, 4), torch.randn(6, 4)
+    match = "tile_size must be a positive integer"
+    with pytest.raises(ValueError, match=match):
+        contrastive_loss(q, k, 10.0, tile_size=tile_size, backend="torch")
+    with pytest.raises(ValueError, match=match):
+        lse(q, k, 10.0, tile_size=tile_size, backend="torch")
+    with pytest.raises(ValueError, match=match):
+        siglip_loss(q, k, 10.0, -10.0, tile_size=tile_size, backend="torch")
+    with pytest.raises(ValueError, match=match):
+        ContrastiveLoss(tile_size=tile_size)
+    with pytest.raises(ValueError, match=match):
+        SigLIPLoss(tile_size=tile_size)
+    # A positive edge smaller than the batch is fine (several tiles) and exact.
+    ref = contrastive_loss(q, k, 10.0, backend="torch")
+    torch.testing.assert_close(contrastive_loss(q, k, 10.0, tile_size=1, backend="torch"), ref)

@@ -208,3 +208,12 @@ def test_tensorboard_event_files_without_tensorboard(tmp_path):
     events = read_scalar_events(str(files[0]))
     assert ("train/loss", 1, 2.0) in events and ("eval/recall", 1, 0.5) in events
     assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1].startswith("1,2.0,2.6")
+
+
+def test_eval_counts_print_as_integers():
+    """Counts in the eval lines and the run summary (``num_images``, ``bad_samples``) are integers,
+    not ``359.0000``; rates keep four decimals."""
+    from ds_infcl.train.metrics import format_metrics
+
+    line = format_metrics({"num_images": 359.0, "bad_samples": 0.0, "zero_shot_top1": 0.95, "R@1": 1.0})
+    assert line == "R@1=1.0000, bad_samples=0, num_images=359, zero_shot_top1=0.9500"

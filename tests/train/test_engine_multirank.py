@@ -8,6 +8,8 @@ so these tests check the engine whatever the state of the ring; ``infcl`` cases 
 ``ds_infcl.loss.ring`` exists.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -242,6 +244,10 @@ def test_logs_and_summary(runs):
     ckpt = runs / "resume2_full" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000006"
     assert sorted(p.name for p in (ckpt / "step00000003").glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]
+    # One name per quantity: the summary's "scale" is the CSV's (exp of the clamped logit_scale).
+    s = h.summary(runs / "z2_fp32")
+    assert s["final_scale"] == pytest.approx(float(rows[-1]["scale"]), rel=1e-5)
+    assert s["final_scale"] == pytest.approx(math.exp(min(s["final_logit_scale"], math.log(100.0))), rel=1e-6)
 
 
 def test_optimizer_offload_configs(runs):
