@@ -72,6 +72,7 @@ class RetrievalExample:
     pos: List[str]
     neg: List[str] = field(default_factory=list)
     idx: int = -1
+    source: str = field(default="", compare=False)  # FILE:LINE or SHARD:KEY it was read from
 
     def to_record(self) -> Dict[str, Any]:
         return {"idx": self.idx, "query": self.query, "pos": list(self.pos), "neg": list(self.neg)}
@@ -187,6 +188,7 @@ def iter_retrieval_jsonl(
                     _report(tally, reason, location)
                     continue
                 position += 1
+                ex.source = location
                 yield ex
 
 
@@ -290,6 +292,7 @@ def iter_retrieval_shards(
                     reason = "invalid JSON" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e)
                     _report(tally, reason, location)
                     continue
+                ex.source = location
                 yield ex
         except (OSError, tarfile.TarError) as e:
             if strict:

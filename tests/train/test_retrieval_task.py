@@ -75,3 +75,26 @@ def test_engine_two_ranks_grad_cache_equals_one_process(tmp_path):
     model = SentenceTransformer(str(folder), device="cpu")
     assert model.encode(["the cat"], convert_to_tensor=True).shape == (1, 32)
     assert "Global batch size: **12**" in (folder / "README.md").read_text()
+
+
+def test_records_are_checked_at_load(tmp_path):
+    """One record with ``"neg": []`` under ``num_negatives: 1`` used to pass ``--check`` and kill
+    the run at the step that drew it; now the task refuses at load and names FILE:LINE. A missing
+    data file or a directory is a config error naming the path, not a traceback."""
+    import json
+
+    from ds_infcl.train.config import ConfigError
+    from ds_infcl.train.task import get_task
+
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(240):
+            neg = [] if i == 200 else [f"unrelated passage {i}"]
+            f.write(json.dumps({"query": f"question {i}", "pos": [f"answer {i}"], "neg": neg}) + "\n")
+    with pytest.raises(ConfigError, match=rf"1 of 240 examples have none .*{path}:201"):
+        get_task("retrieval", {"data": str(path), "num_negatives": 1})
+    assert len(get_task("retrieval", {"data": str(path), "num_negatives": 0}).examples) == 240
+    with pytest.raises(ConfigError, match=r"task.args.data: .*nope.jsonl' does not exist"):
+        get_task("retrieval", {"data": str(tmp_path / "nope.jsonl")})
+    with pytest.raises(ConfigError, match="is a directory"):
+        get_task("retrieval", {"data": str(tmp_path)})
