@@ -104,6 +104,23 @@ def _scale_of(engine, logit_scale: float) -> float:
     return math.exp(min(logit_scale, getattr(engine.module.loss, "max_logit_scale", math.inf)))
 
 
+def _check_same_schedule(state: Dict[str, Any], ds_cfg: Dict[str, Any], where: str) -> None:
+    """A resumed run continues the learning-rate schedule it was saved with: a different one
+    (for example ``"auto"`` lengths after a change of ``train.num_steps``) would make the lr jump."""
+    from ds_infcl.train.config import ConfigError
+
+    if "scheduler" not in state:  # a checkpoint of an older version: nothing to compare
+        return
+    saved, now = state["scheduler"], ds_cfg.get("scheduler")
+    if saved != now:
+        raise ConfigError(
+            f"--resume: the checkpoint {where} was trained with the learning-rate schedule {json.dumps(saved)}, "
+            f"this run resolves to {json.dumps(now)} (\"auto\" lengths follow train.num_steps); resuming would "
+            "make the lr jump. Resume with the same train.num_steps, or give the saved values explicitly "
+            "(--ds-set scheduler.params.total_num_steps=... and warmup_num_steps=...)"
+        )
+
+
 def _log(msg: str, rank: int) -> None:
     if rank == 0:
         print(f"[ds_infcl] {msg}", flush=True)
@@ -160,10 +177,13 @@ def train(
     _seed_all(cfg.train.seed + 1 + 7919 * rank)
 
     start_step, samples = 0, 0
+    resumed = False
     if resume:
         found = resolve_resume(resume, cfg.checkpoint_dir)
         if found is not None:
             state = load_checkpoint(engine, found[0], found[1], device)
+            _check_same_schedule(state, ds_cfg, f"{found[0]}/{found[1]}")
+            resumed = True
             start_step, samples = int(state["step"]), int(state["samples"])
             if hasattr(task, "load_state_dict"):
                 task.load_state_dict(state.get("task_state", {}))
@@ -171,6 +191,11 @@ def train(
         else:
             _log(f"--resume {resume}: no checkpoint in {cfg.checkpoint_dir}; starting fresh", rank)
 
+    if scheduler is not None and not resumed:
+        # DeepSpeed's schedulers start at iteration -1 (lr 0) and step after each optimizer step,
+        # so with a linear warm-up the first two steps would run at lr 0. Start at iteration 1:
+        # optimizer step k runs at iteration k (the warm-up's first step at 1/warmup of the lr).
+        scheduler.step(1)
     _log(
         f"world {world} ({accel}), global batch {layout.global_batch_size} = micro "
         f"{layout.micro_batch_size} x accumulation {layout.num_chunks} x {world} ranks, "
@@ -200,6 +225,8 @@ def train(
     step = start_step
     engine.train()
     while step < cfg.train.num_steps:
+        lrs = engine.get_lr()
+        lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
         batch = _place(as_batch(next(data)), cfg, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -225,7 +252,7 @@ def train(
             logger.log_train({
                 "step": step, "loss": result.loss, "logit_scale": ls,
                 "scale": _scale_of(engine, ls),
-                "lr": float(engine.get_lr()[0]) if engine.get_lr() else float("nan"),
+                "lr": lr_applied,
                 "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
                 "peak_mem_mib": peak_memory_mib(device), "samples": samples,
             })
@@ -243,6 +270,7 @@ def train(
                 "step": step, "samples": samples,
                 "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
                 "world_size": world, "run_config": cfg.to_dict(),
+                "scheduler": ds_cfg.get("scheduler"),
             }
             tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
             if not cfg.logging.progress_bar:
