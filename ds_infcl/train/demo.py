@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     args = p.parse_args(argv)
     d = TASKS[args.task]
-    # SigLIP's sigmoid loss needs a longer schedule on the digits (150 steps: 27% held-out top-1,
-    # 450 steps: 94%; docs/siglip.md).
+    # SigLIP's sigmoid loss needs a longer schedule on the digits (450 steps: 95% held-out top-1,
+    # docs/siglip.md).
     steps = args.steps if args.steps is not None else d["steps"] * (3 if args.impl == "siglip" else 1)
     gbs = args.global_batch_size if args.global_batch_size is not None else d["global_batch_size"]
     chunk = args.chunk_size if args.chunk_size is not None else d["chunk_size"]
