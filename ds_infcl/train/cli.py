@@ -47,7 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_ds_config(path: str, overrides: List[str]) -> dict:
-    return apply_overrides(read_json_file(path, "--deepspeed_config"), overrides, what="--ds-set", delete_on_null=True)
+    """The DeepSpeed JSON with the ``--ds-set`` overrides; a key DeepSpeed would ignore (a typo such
+    as ``zero_optimisation``) is warned about, with the closest known key, on rank 0."""
+    from ds_infcl.train.config import unknown_deepspeed_keys
+
+    ds = apply_overrides(read_json_file(path, "--deepspeed_config"), overrides, what="--ds-set", delete_on_null=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in unknown_deepspeed_keys(ds):
+            print(f"[ds_infcl] warning: {path}: {line}", file=sys.stderr, flush=True)
+    return ds
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -427,6 +427,60 @@ class BatchLayout:
 _DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+# Top-level blocks of a DeepSpeed config besides the plain keys of deepspeed.runtime.constants.
+_DS_BLOCKS = (
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "checkpoint", "comet", "comms_logger",
+    "compile", "compression_training", "csv_monitor", "curriculum_learning", "data_efficiency", "elasticity",
+    "flops_profiler", "fp16", "gradient_accumulation_dtype", "hybrid_engine", "nebula", "optimizer", "pipeline",
+    "scheduler", "sparse_attention", "sparse_gradients", "tensorboard", "timers", "torch_autocast", "wandb",
+    "weight_quantization", "zero_optimization",
+)
+
+
+def deepspeed_top_level_keys() -> set:
+    """The top-level keys DeepSpeed reads (from ``deepspeed.runtime.constants`` and its blocks)."""
+    import re
+
+    import deepspeed.runtime.constants as constants
+
+    names = {v for k, v in vars(constants).items()
+             if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z][a-z0-9_]*", v)}
+    return names | set(_DS_BLOCKS)
+
+
+def unknown_deepspeed_keys(ds_config: Dict[str, Any]) -> List[str]:
+    """One line per top-level key of ``ds_config`` that DeepSpeed would ignore, with the closest
+    known key. (Unknown keys inside ``zero_optimization`` DeepSpeed refuses itself:
+    ``check_deepspeed_blocks``.)"""
+    import difflib
+
+    known = deepspeed_top_level_keys()
+    out = []
+    for key in ds_config:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            out.append(f"{key}: not a DeepSpeed key, DeepSpeed ignores it{hint}")
+    return out
+
+
+def check_deepspeed_blocks(ds_config: Dict[str, Any], source: str) -> None:
+    """Validate the blocks DeepSpeed validates itself at ``initialize`` (``zero_optimization``)
+    with DeepSpeed's own config model, so that ``--check`` refuses what the run would."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = ds_config.get("zero_optimization")
+    if zero is None:
+        return
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{source}: zero_optimization must be an object, got {zero!r}")
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, or DeepSpeed's own checks
+        first = " ".join(str(e).split("\n")[1:3]).strip() or str(e)
+        raise ConfigError(f"{source}: zero_optimization is not valid for DeepSpeed: {first}") from None
+
+
 def resolve_deepspeed_config(
     cfg: RunConfig, ds_config: Dict[str, Any], world_size: int, *, source: str = "DeepSpeed config"
 ):
@@ -445,6 +499,7 @@ def resolve_deepspeed_config(
     """
     if not isinstance(ds_config, dict):
         raise ConfigError(f"{source}: expected a JSON object")
+    check_deepspeed_blocks(ds_config, source)
     B = cfg.batch.global_batch_size
     if B % world_size:
         raise ConfigError(

@@ -2,12 +2,15 @@
 batch container and the CPU optimizers: in-process, no DeepSpeed engine."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from ds_infcl.train.cli import main
-from ds_infcl.train.config import ConfigError, apply_overrides, run_config_from_dict, resolve_deepspeed_config
+from ds_infcl.train.config import (
+    ConfigError, apply_overrides, resolve_deepspeed_config, run_config_from_dict, unknown_deepspeed_keys,
+)
 from ds_infcl.train.optim import Lamb, Lion, prepare_optimizer
 from ds_infcl.train.task import Batch, SyntheticTask, get_task
 from tests.train.harness import REPO
@@ -217,3 +220,23 @@ def test_eval_counts_print_as_integers():
 
     line = format_metrics({"num_images": 359.0, "bad_samples": 0.0, "zero_shot_top1": 0.95, "R@1": 1.0})
     assert line == "R@1=1.0000, bad_samples=0, num_images=359, zero_shot_top1=0.9500"
+
+
+def test_deepspeed_typos_are_warned_and_invalid_blocks_refused(tmp_path, capsys):
+    """``--ds-set zero_optimisation.stage=3`` used to be ignored without a word, and ``--check``
+    accepted ``zero_optimization.stage=7``: now the typo is warned with the closest key and the
+    stage is refused by DeepSpeed's own config model (exit 2), before any run."""
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({**BASE, "batch": {"global_batch_size": 64}}))
+    assert main(["--deepspeed_config", ZERO2, "--config", str(run), "--check",
+                 "--ds-set", "zero_optimisation.stage=3"]) == 0
+    err = capsys.readouterr().err
+    assert "zero_optimisation: not a DeepSpeed key, DeepSpeed ignores it (did you mean zero_optimization?)" in err
+    for bad, word in (("zero_optimization.stage=7", "stage"), ("zero_optimization.stage_3=1", "stage_3")):
+        assert main(["--deepspeed_config", ZERO2, "--config", str(run), "--check", "--ds-set", bad]) == 2
+        err = capsys.readouterr().err
+        assert "zero_optimization is not valid for DeepSpeed" in err and word in err, err
+    for name in os.listdir(os.path.dirname(ZERO2)):  # the shipped JSONs are clean
+        if name.endswith(".json"):
+            with open(os.path.join(os.path.dirname(ZERO2), name)) as f:
+                assert unknown_deepspeed_keys(json.load(f)) == [], name
