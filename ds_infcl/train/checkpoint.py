@@ -103,7 +103,9 @@ def resolve_resume(resume: str, default_dir: str) -> Optional[Tuple[str, str]]:
         return os.path.dirname(path), os.path.basename(path)
     if os.path.isdir(path) and any(f.endswith("model_states.pt") for f in os.listdir(path)):
         return os.path.dirname(path), os.path.basename(path)
-    raise FileNotFoundError(
+    from ds_infcl.train.config import ConfigError
+
+    raise ConfigError(
         f"--resume {resume}: no checkpoint there (expected a checkpoint directory with a 'latest' "
         "file, a tag directory such as .../step00000100, or 'auto')"
     )

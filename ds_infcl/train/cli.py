@@ -68,6 +68,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             overrides.append(f"output_dir={args.output_dir}")
         cfg = load_run_config(args.config, overrides)
         ds_config = _load_ds_config(args.deepspeed_config, args.ds_overrides)
+        if args.resume not in (None, "auto"):  # a bad path stops the run here, not after set-up
+            from ds_infcl.train.checkpoint import resolve_resume
+
+            resolve_resume(args.resume, cfg.checkpoint_dir)
         if args.check:
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             from ds_infcl.train.optim import prepare_optimizer

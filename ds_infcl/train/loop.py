@@ -231,10 +231,14 @@ def train(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()
-        if cfg.batch.grad_cache:
-            result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device, verify_replay=cfg.batch.verify_replay)
-        else:
-            result = uncached_step(engine, batch, device)
+        try:
+            if cfg.batch.grad_cache:
+                result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device,
+                                         verify_replay=cfg.batch.verify_replay)
+            else:
+                result = uncached_step(engine, batch, device)
+        except ValueError as e:  # the loss's input checks (NaN/Inf features, ...): say which step
+            raise ValueError(f"step {step + 1}: {e}") from e
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.time() - t0

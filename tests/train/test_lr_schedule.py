@@ -2,7 +2,8 @@
 with its WarmupCosineLR, ``"auto"`` lengths): the first step trains (DeepSpeed's schedulers would
 run the first two steps of a linear warm-up at lr 0); the CSV's ``lr`` is the one each step used;
 a resume whose schedule would differ from the saved one (``train.num_steps`` changed under
-``"auto"`` lengths) is refused with a config error (exit 2), not continued with a jump in lr."""
+``"auto"`` lengths) is refused with a config error (exit 2), not continued with a jump in lr.
+Also the run's other start-up and mid-run errors: a bad ``--resume`` path, NaN features."""
 
 import csv
 import json
@@ -56,3 +57,15 @@ def test_first_step_trains_logged_lr_is_applied_and_resume_keeps_the_schedule(tm
     proc = _run(tmp_path, 80, "--resume")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "resuming would make the lr jump" in proc.stderr
+
+
+def test_bad_resume_path_and_nan_step_are_one_line_errors(tmp_path):
+    """A bad ``--resume PATH`` is a config error (exit 2) before anything is built; NaN features
+    name the step they appeared in."""
+    proc = _run(tmp_path, 4, "--resume", str(tmp_path / "no_such_checkpoint"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "config error: --resume" in proc.stderr and "no checkpoint there" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _run(tmp_path, 4, "--set", "task.name=tests.train.nan_task:NanTask")
+    assert proc.returncode != 0
+    assert "step 2: query has 16 of 16 rows with NaN or Inf values" in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,27 @@
+"""A plug-in task for the error tests: the synthetic task whose query tower returns NaN from its
+second call on (a diverged step, as a user would see it)."""
+
+import torch
+from torch import nn
+
+from ds_infcl.train.task import SyntheticTask
+
+
+class _NanAfterFirst(nn.Module):
+    def __init__(self, towers):
+        super().__init__()
+        self.towers = towers
+        self.calls = 0
+
+    def encode_query(self, x):
+        self.calls += 1
+        out = self.towers.encode_query(x)
+        return out * float("nan") if self.calls > 1 else out
+
+    def encode_key(self, x):
+        return self.towers.encode_key(x)
+
+
+class NanTask(SyntheticTask):
+    def build_towers(self):
+        return _NanAfterFirst(super().build_towers())
