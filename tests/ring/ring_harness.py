@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -43,6 +44,14 @@ def _entry(rank, world, port, out_dir, fn, payload, pg_timeout):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         if world > 0 and dist.is_initialized():
             dist.destroy_process_group()
+    # Leave without interpreter finalization: gloo's worker threads can still own work objects
+    # (autograd collectives such as OpenCLIP's keep some alive) when Python tears them down, and
+    # the worker then aborts ("terminate called without an active exception") after its result is
+    # written, which failed a whole test now and then. The trainer's entry points do the same
+    # (ds_infcl.train.dist.exit_process).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0, pg_timeout: float = 60.0) -> List:
