@@ -316,21 +316,47 @@ def _save_params(engine, path: str, rank: int) -> None:
         torch.save(state, path)
 
 
+def _master_params(engine, rank: int) -> Dict[str, torch.Tensor]:
+    """On rank 0, the optimizer's float32 master copy of every trainable parameter (ZeRO 1-3 and
+    the bf16 optimizer keep one; a collective where it is partitioned, so every rank calls this);
+    ``{}`` elsewhere and for parameters without one."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p)
+        if master is not None and rank == 0:
+            out[name] = master.detach().float().cpu()
+    return out
+
+
 def _export(engine, task, folder: str, rank: int) -> None:
-    """Gather the parameters (ZeRO-3 included) and let the task write its model folder on rank 0."""
+    """Gather the parameters (ZeRO-3 included) and let the task write its model folder on rank 0,
+    in float32 from the optimizer's master weights: a bf16 module copy would lose every update
+    below bf16's resolution (2**-8 of the value)."""
     import deepspeed
     import deepspeed.comm as dist
 
     engine.empty_partition_cache()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    masters = _master_params(engine, rank)
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
         if rank == 0:
-            loss = engine.module.loss
-            logit_scale = loss.logit_scale.detach().float().reshape(()).cpu().clone()
-            extra = {}
-            if isinstance(getattr(loss, "logit_bias", None), torch.Tensor):  # SigLIP
-                extra["logit_bias"] = loss.logit_bias.detach().float().reshape(()).cpu().clone()
-            task.save_pretrained(folder, engine.module.towers, logit_scale, **extra)
+            # The module's parameters hold their float32 masters (or a float32 copy) while the task
+            # writes its folder, then get their own tensors back.
+            originals = {name: p.data for name, p in params.items()}
+            try:
+                for name, p in params.items():
+                    p.data = masters[name].to(p.device) if name in masters else p.data.float()
+                loss = engine.module.loss
+                logit_scale = loss.logit_scale.detach().float().reshape(()).cpu().clone()
+                extra = {}
+                if isinstance(getattr(loss, "logit_bias", None), torch.Tensor):  # SigLIP
+                    extra["logit_bias"] = loss.logit_bias.detach().float().reshape(()).cpu().clone()
+                task.save_pretrained(folder, engine.module.towers, logit_scale, **extra)
+            finally:
+                for name, p in params.items():
+                    p.data = originals[name]
     dist.barrier()
     if rank == 0:
         print(f"[ds_infcl] exported the final model to {folder}", flush=True)

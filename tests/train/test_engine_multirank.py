@@ -37,6 +37,9 @@ def _grid_jobs():
     if _fastclip_available():
         jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
         jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
+    # The CLIP task's export under ZeRO-3 bf16 on 2 ranks (float32 from the master weights).
+    if _clip_task_available():
+        jobs.append(h.job("clip_z3_bf16", "zero3.json", [], CLIP_TASK))
     # SigLIP: the loss owns the scale and the bias; both must match one process.
     jobs.append(h.job("sg_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP))
     jobs.append(h.job("sg_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP + gc))
@@ -101,7 +104,7 @@ def runs(tmp_path_factory):
                   RESUME + RESUME_LOSS[loss] + ["train.num_steps=3"]),
         )
     ]
-    h.run_jobs(h.write_jobs(out, jobs, "two_ranks.json"), 2)
+    h.run_jobs(h.write_jobs(out, _digits(jobs, out), "two_ranks.json"), 2)
     refs = [h.job(f"ref_{d}", "zero0.json", h.SGD + _bf16(d), h.COMMON + GATHER) for d in DTYPES]
     refs.append(h.job("bench_tiny", "zero2.json", [], h.COMMON + [
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
@@ -110,11 +113,8 @@ def runs(tmp_path_factory):
     if _fastclip_available():
         refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
     if _clip_task_available():
-        refs.append(h.job("clip_task", "zero2.json", [], [
-            "task.name=clip", 'task.args={"data_dir": "%s", "eval_batch_size": 128}' % (out / "digits"),
-            "batch.global_batch_size=32", "batch.grad_cache=true", "batch.chunk_size=16", "train.num_steps=2",
-            "logging.progress_bar=false", "checkpoint.at_end=false"]))
-    h.run_jobs(h.write_jobs(out, refs, "one_rank.json"), 1)
+        refs.append(h.job("clip_task", "zero2.json", [], CLIP_TASK))
+    h.run_jobs(h.write_jobs(out, _digits(refs, out), "one_rank.json"), 1)
     resumed = [h.job(f"resume{stage}{loss}_part", f"zero{stage}.json", RESUME_DS,
                      RESUME + RESUME_LOSS[loss] + ["train.num_steps=6"],
                      resume=str(out / f"resume{stage}{loss}_part" / "checkpoints"))
@@ -130,6 +130,17 @@ FASTCLIP = ["loss.impl=fastclip_v3", 'loss.args={"num_samples": 48, "steps_per_e
 
 
 SIGLIP = ["loss.impl=siglip", "loss.init_logit_bias=-2.0"]
+# The CLIP task (digits shards written on first use), GradCache, 2 steps, the final-model export.
+CLIP_TASK = ["task.name=clip", 'task.args={"data_dir": "DIGITS", "eval_batch_size": 128}',  # DIGITS: _digits()
+             "batch.global_batch_size=32", "batch.grad_cache=true", "batch.chunk_size=16", "train.num_steps=2",
+             "logging.progress_bar=false", "checkpoint.at_end=false"]
+
+
+def _digits(jobs, out):
+    """The jobs with the CLIP task's data folder under this module's temporary directory."""
+    for job in jobs:
+        job["set"] = [x.replace("DIGITS", str(out / "digits")) for x in job["set"]]
+    return jobs
 
 
 def _fastclip_available():
@@ -274,6 +285,21 @@ def test_clip_adapter_task_trains_and_exports(runs):
     assert all(torch.isfinite(torch.tensor(s["losses"])))
     assert "zero_shot_top1" in s["eval"]
     assert (runs / "clip_task" / "final_model" / "clip_config.json").exists()
+
+
+@pytest.mark.parametrize("case", ["clip_task", "clip_z3_bf16"])
+def test_export_is_float32_from_the_master_weights(runs, case):
+    """bf16 runs (ZeRO-2 on one rank, ZeRO-3 on two) export float32 weights taken from the
+    optimizer's float32 masters, not the bf16 module copy upcast (which loses every update below
+    bf16's resolution): the trained tensors are not all bf16-representable."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(runs / case / "final_model" / "model.safetensors"))
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    assert floats and all(v.dtype == torch.float32 for v in floats.values())
+    trained = [v for k, v in floats.items() if k.startswith(("visual_projection", "text_projection"))]
+    assert trained and any(not torch.equal(v, v.bfloat16().float()) for v in trained)
+    assert state["loss.logit_scale"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("case", ["fc_z2", "fc_gc3"])
