@@ -11,10 +11,12 @@ ring, and the global loss is the sum of the shares.
 
 The ring (DESIGN.md section 4 without the column statistics): at step ``t`` rank ``r`` holds the
 key block (and its key ids) of rank ``(r - t) mod W``; the next block's exchange is posted before
-the current block is computed. Backward rotates the key blocks again with the float32 ``dk``
-accumulator of each block one hop behind, home after the last hop; ``dq``, ``ds`` and ``dt``
-accumulate locally. Every received block is dropped when the next one arrives, so a rank holds
-``O((b + m) c)`` whatever the world size, in the forward and in the backward.
+the current block is computed. Backward rotates the key blocks again, and the float32 ``dk``
+accumulator of each block travels with it: it arrives before the block's products, which add
+into it, and the complete ``dk`` goes home (cast to the keys' dtype) after the last hop; ``dq``,
+``ds`` and ``dt`` accumulate locally. Every received block is dropped when the next one arrives,
+so a rank holds ``O((b + m) c)`` whatever the world size (two float32 accumulators, two key blocks
+and one bounded block of ``G`` in the backward).
 
 Gradient semantics: the shares are summed by ``global_sum_with_grad``, whose backward multiplies
 by ``W``; after the data-parallel mean every gradient (features, scale and bias) equals the
@@ -27,6 +29,7 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.loss.functional import _as_scale_tensor
@@ -68,42 +71,68 @@ def _ring_forward(query, key, s, t, qid, kid, backend, tile_size, layout: RingLa
     return total
 
 
+def _pow2_scale(weight: torch.Tensor, group) -> torch.Tensor:
+    """A power of two that brings the largest ``|weight|`` of all ranks to about 1 (device-side:
+    one small all-reduce, no host sync)."""
+    mx = weight.detach().abs().reshape(1).clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    mx = torch.where(torch.isfinite(mx) & (mx > 0), mx, torch.ones_like(mx))
+    return torch.exp2(-torch.ceil(torch.log2(mx))).reshape(())
+
+
 def _ring_backward(query, key, s, t, qid, kid, weight, backend, tile_size, layout: RingLayout, group):
+    """``(dq, dk, ds, dt)`` of ``weight *`` rank ``r``'s sum; ``dq`` / ``dk`` in the features' dtype.
+
+    Two float32 accumulators of the features' size: ``dq`` and the ``dk`` of the key block in
+    hand. Before a block's products the ``dk`` of the block it replaces leaves for the next rank
+    and the partial ``dk`` of the new block (from the ranks it visited before) arrives, and the
+    products add into it; the next key block travels during the products. Both sums are taken
+    without the factor ``s`` (and, in fp16, with the weight brought near 1 by a power of two that
+    every rank shares, so that the kernels' fp16 ``G`` keeps its range); the factor is applied once
+    at the end, before the gradients are cast to the features' dtype and ``dk`` goes home.
+    """
     b, c = query.shape
-    dq = torch.zeros((b, c), device=query.device, dtype=_F32)
-    ds = torch.zeros((), device=query.device, dtype=_F32)
-    dt = torch.zeros((), device=query.device, dtype=_F32)
-    cur_key, cur_kid, dk_acc = key, kid, None
+    device = query.device
+    gs = None
+    if query.dtype == torch.float16 and layout.world > 1:
+        gs = _pow2_scale(weight, group)
+        weight = weight * gs
+    dq = torch.zeros((b, c), device=device, dtype=_F32)
+    ds = torch.zeros((), device=device, dtype=_F32)
+    dt = torch.zeros((), device=device, dtype=_F32)
+    cur_key, cur_kid = key, kid
+    dk_acc = torch.zeros((key.shape[0], c), device=device, dtype=_F32)
     for step in range(layout.world):
         owner, nxt = layout.block_owner(step), layout.block_owner(step + 1)
-        send, recv = [], []
-        next_key = next_kid = dk_in = None
+        if step > 0:  # the previous block's dk moves on; the one of the block in hand comes in
+            dk_in = torch.empty((layout.key_sizes[owner], c), device=device, dtype=_F32)
+            wait_all(post_ring_shift([dk_acc], [dk_in], layout, group))
+            dk_acc = dk_in
+        works, next_key, next_kid = [], None, None
         if step < layout.world - 1:
             next_key = key.new_empty((layout.key_sizes[nxt], c))
             next_kid = kid.new_empty((layout.key_sizes[nxt],))
-            send += [cur_key, cur_kid]
-            recv += [next_key, next_kid]
-        if step > 0:  # the dk of the block in hand, from the ranks it visited before
-            dk_in = torch.empty((layout.key_sizes[owner], c), device=key.device, dtype=_F32)
-            send.append(dk_acc)
-            recv.append(dk_in)
-        works = post_ring_shift(send, recv, layout, group)
-        dq_t, dk_t, ds_t, dt_t = siglip_backward(query, cur_key, s, t, qid, cur_kid, weight,
-                                                 backend=backend, tile_size=tile_size)
-        dq.add_(dq_t)
+            works = post_ring_shift([cur_key, cur_kid], [next_key, next_kid], layout, group)
+        _, _, ds_t, dt_t = siglip_backward(query, cur_key, s, t, qid, cur_kid, weight, backend=backend,
+                                           tile_size=tile_size, accumulate=(dq, dk_acc))
         ds.add_(ds_t)
         dt.add_(dt_t)
-        del dq_t
         wait_all(works)
-        dk_acc = dk_t if dk_in is None else dk_t.add_(dk_in)
         if next_key is not None:
             cur_key, cur_kid = next_key, next_kid
-    if layout.world == 1:
-        dk = dk_acc
-    else:  # dk_acc is the complete gradient of rank (r + 1)'s keys: send it home
-        dk = torch.empty((key.shape[0], c), device=key.device, dtype=_F32)
-        wait_all(post_ring_shift([dk_acc], [dk], layout, group))
-    return dq, dk, ds, dt
+    factor = s.float() if gs is None else s.float() / gs
+    dq = dq.mul_(factor).to(query.dtype)
+    # dk_acc is the complete gradient of rank (r + 1)'s keys (with one rank, of its own): scaled
+    # and cast here (s and the power of two are the same on every rank), then sent home.
+    dk_out = dk_acc.mul_(factor).to(key.dtype)
+    del dk_acc
+    if layout.world > 1:
+        dk_home = torch.empty_like(key)
+        wait_all(post_ring_shift([dk_out], [dk_home], layout, group))
+        dk_out = dk_home
+    if gs is not None:
+        ds, dt = ds / gs, dt / gs
+    return dq, dk_out, ds, dt
 
 
 class SigLIPRingFunction(torch.autograd.Function):
@@ -128,7 +157,7 @@ class SigLIPRingFunction(torch.autograd.Function):
         weight = grad.float() / layout.num_queries
         dq, dk, ds, dt = _ring_backward(query, key, s, t, query_ids, key_ids, weight, backend, tile_size,
                                         layout, group)
-        return (dq.to(query.dtype), dk.to(key.dtype),
+        return (dq, dk,
                 ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
                 dt.reshape(t_shape) if ctx.needs_input_grad[3] else None,
                 None, None, None, None, None, None)

@@ -140,16 +140,21 @@ def siglip_backward_torch(
     *,
     tile_b: int,
     tile_m: int,
+    accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq [b, c], dk [m, c], dscale [], dbias [])``, all float32, of ``weight * forward``.
 
     ``weight`` is a 0-dim tensor (the upstream gradient over ``B``); each tile is recomputed once.
+    ``accumulate``: as in :func:`siglip_backward`.
     """
     b, c = query.shape
     m = key.shape[0]
     device = query.device
-    dq = torch.zeros((b, c), device=device, dtype=_F32)
-    dk = torch.zeros((m, c), device=device, dtype=_F32)
+    if accumulate is not None:
+        dq, dk = accumulate
+    else:
+        dq = torch.zeros((b, c), device=device, dtype=_F32)
+        dk = torch.zeros((m, c), device=device, dtype=_F32)
     ds = torch.zeros((), device=device, dtype=_F32)
     dt = torch.zeros((), device=device, dtype=_F32)
     if b == 0 or m == 0:
@@ -168,6 +173,8 @@ def siglip_backward_torch(
             dk[j0:j1].addmm_(g.T, qf[i0:i1])
             ds += (g * dots).sum()
             dt += g.sum()
+    if accumulate is not None:
+        return dq, dk, ds, dt
     s = scale.float() if torch.is_tensor(scale) else scale
     return dq.mul_(s), dk.mul_(s), ds, dt
 
@@ -212,19 +219,29 @@ def siglip_backward(
     backend: str = "auto",
     tile_size: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
+    accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dscale, dbias)`` of ``weight * siglip_forward(...)``.
 
-    ``dq`` / ``dk`` are float32 (what the ring accumulates), or ``out_dtype`` when given (the
-    Triton path then keeps only one side's float32 accumulator and a bounded chunk of the other).
+    ``dq`` / ``dk`` are float32, or ``out_dtype`` when given (the Triton path then keeps only one
+    side's float32 accumulator and a bounded chunk of the other).
+
+    ``accumulate=(dq_acc [b, c], dk_acc [m, c])``, float32 (what the ring does): ``G @ k`` and
+    ``G^T @ q`` with ``G = weight * (sigmoid(x) - [positive])`` are *added* into the accumulators
+    (no factor ``scale``: the caller multiplies once when every block is in), which are returned;
+    then no ``b x c`` or ``m x c`` buffer is allocated. ``G`` is stored in the operands' dtype on the
+    Triton path, so with fp16 operands ``weight`` must be near 1 (a power-of-two factor the caller
+    takes out again). ``dscale`` / ``dbias`` are as without ``accumulate``.
     """
+    if accumulate is not None and out_dtype is not None:
+        raise ValueError("siglip_backward: pass out_dtype or accumulate, not both")
     if resolve_backend(backend, query.device) == "triton":
         return _triton_siglip().siglip_backward_triton(
-            query, key, scale, bias, query_ids, key_ids, weight, out_dtype=out_dtype
+            query, key, scale, bias, query_ids, key_ids, weight, out_dtype=out_dtype, accumulate=accumulate
         )
     tile = _tiles(query, tile_size)
     dq, dk, ds, dt = siglip_backward_torch(query, key, scale, bias, query_ids, key_ids, weight,
-                                           tile_b=tile, tile_m=tile)
+                                           tile_b=tile, tile_m=tile, accumulate=accumulate)
     if out_dtype is not None:
         dq, dk = dq.to(out_dtype), dk.to(out_dtype)
     return dq, dk, ds, dt

@@ -883,12 +883,16 @@ def lse_backward_triton(
 
 
 def chunk_blocks(b: int, m: int, c: int, out_dtype: Optional[torch.dtype], g_dtype: torch.dtype,
-                 device: torch.device) -> Tuple[int, int]:
-    """The ``(rows, cols)`` of the block of ``G`` written at once by ``chunked_g_products``."""
+                 device: torch.device, *, accumulate: bool = False) -> Tuple[int, int]:
+    """The ``(rows, cols)`` of the block of ``G`` written at once by ``chunked_g_products``
+    (``accumulate``: the caller owns the accumulators, and the block of ``G`` is the whole scratch:
+    at most ``MIN_CHUNK_COLS`` columns, 64 MiB with the default constants)."""
     align = 256 if device.type == "cuda" else 32  # every forward/backward tile edge divides it
     chunk_rows, chunk_cols, chunks_given = _chunks(align)
     if g_dtype == torch.float32:
         chunk_rows = min(chunk_rows, triton.cdiv(CHUNK_ROWS_FP32, align) * align)
+    if accumulate and not chunks_given:
+        chunk_cols = min(chunk_cols, triton.cdiv(MIN_CHUNK_COLS, align) * align)
     chunk_rows, chunk_cols = min(b, chunk_rows), min(m, chunk_cols)
     if out_dtype is not None and not chunks_given:
         chunk_rows, chunk_cols = _fit_budget(b, m, c, chunk_rows, chunk_cols, g_dtype, align)
@@ -904,6 +908,7 @@ def chunked_g_products(
     upcast: bool,
     *,
     with_dscale: bool = True,
+    accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The backward's products over bounded blocks of ``G`` (shared by the InfoNCE and SigLIP ops).
 
@@ -913,23 +918,35 @@ def chunked_g_products(
     float32, or ``out_dtype`` when given (then the smaller side keeps a whole float32 accumulator
     and the other side one of a chunk, written out when its chunk is done), and the scale-gradient
     sum before ``factor`` (``None`` without ``with_dscale``). Scratch: one block of ``G`` and that chunk accumulator.
+
+    ``accumulate=(dq_acc [b, c], dk_acc [m, c])`` (float32; needs ``out_dtype=None`` and
+    ``with_dscale=False``): ``G @ key`` and ``G^T @ query`` are *added* into the caller's
+    accumulators, without ``factor`` (the caller scales once when its sums are complete), and
+    returned; the scratch is one block of ``G`` (see ``chunk_blocks``).
     """
     b, c = query.shape
     m = key.shape[0]
     device = query.device
     f32 = torch.float32
     res_dtype = out_dtype or f32
+    if accumulate is not None and (out_dtype is not None or with_dscale):
+        raise ValueError("chunked_g_products: accumulate= needs out_dtype=None and with_dscale=False")
     # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
     # interpreter, whose bf16 dot is wrong.
     g_dtype = f32 if upcast else query.dtype
-    chunk_rows, chunk_cols = chunk_blocks(b, m, c, out_dtype, g_dtype, device)
+    chunk_rows, chunk_cols = chunk_blocks(b, m, c, out_dtype, g_dtype, device,
+                                          accumulate=accumulate is not None)
     g_buf = torch.empty(chunk_rows * chunk_cols, device=device, dtype=g_dtype)
     # Loop order: the outer side is the one whose accumulator is chunked (with out_dtype).
     rows_outer = out_dtype is None or m <= b
     full_q = out_dtype is None or not rows_outer
     full_k = out_dtype is None or rows_outer
-    dq = torch.empty((b, c), device=device, dtype=f32 if full_q else out_dtype)
-    dk = torch.empty((m, c), device=device, dtype=f32 if full_k else out_dtype)
+    fresh = accumulate is None  # the first product into a slice overwrites it
+    if accumulate is not None:
+        dq, dk = accumulate
+    else:
+        dq = torch.empty((b, c), device=device, dtype=f32 if full_q else out_dtype)
+        dk = torch.empty((m, c), device=device, dtype=f32 if full_k else out_dtype)
     n_outer, n_inner = (b, m) if rows_outer else (m, b)
     step_outer, step_inner = (chunk_rows, chunk_cols) if rows_outer else (chunk_cols, chunk_rows)
     part = None if out_dtype is None else torch.empty((step_outer, c), device=device, dtype=f32)
@@ -954,17 +971,19 @@ def chunked_g_products(
                 q_op, k_op = q_op.float(), k_op.float()
             # The first product into a slice overwrites it (beta = 0): no zero fills.
             if full_q:
-                _addmm_f32(dq[i0:i0 + rows], g, k_op, first=(j0 == 0))
+                _addmm_f32(dq[i0:i0 + rows], g, k_op, first=fresh and j0 == 0)
             else:
                 _addmm_f32(acc, g, k_op, first=(x0 == 0))
             if full_k:
-                _addmm_f32(dk[j0:j0 + cols], g.t(), q_op, first=(i0 == 0))
+                _addmm_f32(dk[j0:j0 + cols], g.t(), q_op, first=fresh and i0 == 0)
             else:
                 _addmm_f32(acc, g.t(), q_op, first=(x0 == 0))
         if part is not None:
             out, own = (dq, query) if rows_outer else (dk, key)
             _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on] if with_dscale else None, ds_parts,
                        o0 // block_r, block_r)
+    if accumulate is not None:
+        return dq, dk, None
     # The whole accumulators: scaled into res_dtype (in place for float32); with both whole, the
     # scale gradient comes from dq.
     if full_q:

@@ -194,9 +194,14 @@ def siglip_backward_triton(
     weight: torch.Tensor,
     *,
     out_dtype: Optional[torch.dtype] = None,
+    accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq [b, c], dk [m, c], dscale [], dbias [])`` of ``weight * forward``; ``dq`` / ``dk``
-    float32 or ``out_dtype`` (see ``triton_lse.chunked_g_products``)."""
+    float32 or ``out_dtype`` (see ``triton_lse.chunked_g_products``).
+
+    With ``accumulate=(dq_acc, dk_acc)`` (float32) ``G @ k`` and ``G^T @ q`` are added into them
+    *without* the factor ``scale`` and they are returned; ``G`` is stored with ``weight`` as given
+    (fp16 operands: the caller keeps ``weight`` near 1, see ``ds_infcl.loss.siglip``)."""
     query, key = _check_inputs(query, key)
     b, c = query.shape
     m = key.shape[0]
@@ -204,13 +209,15 @@ def siglip_backward_triton(
     f32 = torch.float32
     res_dtype = out_dtype or f32
     if b == 0 or m == 0:
+        zero = torch.zeros((), device=device, dtype=f32)
+        if accumulate is not None:
+            return accumulate[0], accumulate[1], zero, zero.clone()
         return (torch.zeros((b, c), device=device, dtype=res_dtype),
-                torch.zeros((m, c), device=device, dtype=res_dtype),
-                torch.zeros((), device=device, dtype=f32), torch.zeros((), device=device, dtype=f32))
+                torch.zeros((m, c), device=device, dtype=res_dtype), zero, zero.clone())
     s_t, t_t = _scale_arg(scale, device), _scale_arg(bias, device)
     w = weight.detach().reshape(1).to(device=device, dtype=f32)
     # fp16 G needs the weight brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
-    gs = _grad_scale(w) if query.dtype == torch.float16 else None
+    gs = _grad_scale(w) if query.dtype == torch.float16 and accumulate is None else None
     if gs is not None:
         w = w * gs
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
@@ -221,7 +228,7 @@ def siglip_backward_triton(
     # taken here rather than from the products of the rounded G: sigmoid terms of both signs
     # cancel in it, and a 16-bit G would cost it ~1e-3 of relative accuracy.
     g_dtype = f32 if flags["UPCAST"] else query.dtype
-    max_rows, max_cols = chunk_blocks(b, m, c, out_dtype, g_dtype, device)
+    max_rows, max_cols = chunk_blocks(b, m, c, out_dtype, g_dtype, device, accumulate=accumulate is not None)
     blocks = triton.cdiv(b, max_rows) * triton.cdiv(m, max_cols)
     tiles_per_block = triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(max_cols, cfg.block_n)
     num_tiles = blocks * tiles_per_block
@@ -238,7 +245,7 @@ def siglip_backward_triton(
 
     factor = s_t / gs if gs is not None else s_t
     dq, dk, _ = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"],
-                                   with_dscale=False)
+                                   with_dscale=False, accumulate=accumulate)
     dt, ds = sums.sum(dim=1)
     if gs is not None:
         ds, dt = ds / gs, dt / gs

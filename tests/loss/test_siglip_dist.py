@@ -1,10 +1,10 @@
-"""SigLIP across 2, 3 and 4 gloo ranks: the ring equals the float64 single-process reference on
-the gathered batch (the loss on every rank, feature gradients W * dL/dF_r, scale and bias
-gradients after the mean over ranks), with equal and unequal per-rank sizes (one rank empty),
-diagonal / labels (hard negatives) / multi-positive ids, fp32, bf16 and fp16, the module with its
-learnable parameters; and, for equal sizes, OpenCLIP's ``SigLipLoss`` with each ``dist_impl`` on
-the same ranks gives the same loss and per-rank gradients. A rank with a mismatched feature dim or
-NaN features makes every rank raise."""
+"""SigLIP across 2, 3 and 4 gloo ranks: the ring equals the float64 single-process reference on the
+gathered batch (the loss on every rank, feature gradients W * dL/dF_r, scale and bias gradients
+after the mean over ranks), with equal and unequal per-rank sizes (one rank empty), diagonal /
+labels (hard negatives) / multi-positive ids, fp32, bf16 and fp16, the module with its learnable
+parameters, the Triton kernels (interpreter; fp32 and fp16) inside the ring; and, for equal sizes,
+OpenCLIP's ``SigLipLoss`` with each ``dist_impl`` on the same ranks gives the same loss and per-rank
+gradients. A rank with a mismatched feature dim or NaN features makes every rank raise."""
 
 from __future__ import annotations
 

@@ -148,6 +148,35 @@ def test_block_functions_float32_accumulators(backend):
         assert rel_err(got, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_accumulates_unscaled(backend, dtype):
+    # The ring's form: G @ k and G^T @ q added into the caller's float32 accumulators (which hold
+    # something already) without the factor s; ragged blocks of G (the fixture's 32 x 64 blocks).
+    b, m, s, t, w = 45, 70, 7.0, -3.0, 0.75  # w near 1: fp16 G keeps its range
+    q, k = features(b, m, 24, seed=4)
+    q, k = q.to(dtype), k.to(dtype)
+    labels = torch.randint(0, m, (b,), generator=torch.Generator().manual_seed(1))
+    qid, kid = siglip_ids(b, m, q.device, labels=labels)
+    g = torch.Generator().manual_seed(6)
+    dq0, dk0 = torch.randn(b, 24, generator=g), torch.randn(m, 24, generator=g)
+    dq_acc, dk_acc = dq0.clone(), dk0.clone()
+    out = siglip_backward(q, k, torch.tensor(s), torch.tensor(t), qid, kid, torch.tensor(w), backend=backend,
+                          tile_size=16, accumulate=(dq_acc, dk_acc))
+    assert out[0] is dq_acc and out[1] is dk_acc
+    qq, kk = q.double().requires_grad_(), k.double().requires_grad_()
+    ss = torch.tensor(s, dtype=torch.float64, requires_grad=True)
+    tt = torch.tensor(t, dtype=torch.float64, requires_grad=True)
+    (siglip_reference(qq, kk, ss, tt, labels=labels) * b * w).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # fp16: G is stored in fp16 on the Triton path
+    pairs = ((dq_acc - dq0, qq.grad / s), (dk_acc - dk0, kk.grad / s), (out[2], ss.grad), (out[3], tt.grad))
+    for got, ref in pairs:
+        assert rel_err(got, ref) <= tol
+    with pytest.raises(ValueError, match="out_dtype or accumulate"):
+        siglip_backward(q, k, torch.tensor(s), torch.tensor(t), qid, kid, torch.tensor(w), backend=backend,
+                        out_dtype=dtype, accumulate=(dq_acc, dk_acc))
+
+
 def test_reference_matches_definition():
     # The reference itself, against the pairwise definition written out with loops.
     q, k = features(4, 5, 3, seed=9)
