@@ -4,7 +4,7 @@ after the mean over ranks), with equal and unequal per-rank sizes (one rank empt
 labels (hard negatives) / multi-positive ids, fp32, bf16 and fp16, the module with its learnable
 parameters, the Triton kernels (interpreter; fp32 and fp16) inside the ring; and, for equal sizes,
 OpenCLIP's ``SigLipLoss`` with each ``dist_impl`` on the same ranks gives the same loss and per-rank
-gradients. A rank with a mismatched feature dim or NaN features makes every rank raise."""
+gradients. 16-bit cases are also held to twice plain PyTorch's own error in that dtype. A rank with a mismatched feature dim or NaN features makes every rank raise."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from ds_infcl.ops.siglip import siglip_reference
 from tests.loss.openclip_ref import openclip_loss_module
-from tests.loss.siglip_cases import UPSTREAM, case_data, cases, worker
+from tests.loss.siglip_cases import DTYPES, UPSTREAM, case_data, cases, worker
+from tests.ops.accuracy import error_bound, rel_err
 from tests.ring.ring_harness import spawn
 
 pytestmark = pytest.mark.slow
@@ -23,12 +24,15 @@ pytestmark = pytest.mark.slow
 TOL = {"fp32": (1e-5, 2e-5), "bf16": (1e-5, 1.2e-2), "fp16": (1e-5, 2e-3)}
 
 
-def _reference(case, seed):
+def _reference(case, seed, plain=False):
+    """float64 on the (rounded) inputs; ``plain``: materialized in the inputs' dtype (plain
+    PyTorch's own error, the yardstick of the 16-bit cases)."""
     data = case_data(case, seed)
-    q = data["query"].double().requires_grad_(True)
-    k = data["key"].double().requires_grad_(True)
-    s = torch.tensor(data["scale"], dtype=torch.float64, requires_grad=True)
-    t = torch.tensor(data["bias"], dtype=torch.float64, requires_grad=True)
+    work, sdt = (data["query"].dtype, torch.float32) if plain else (torch.float64, torch.float64)
+    q = data["query"].to(work).requires_grad_(True)
+    k = data["key"].to(work).requires_grad_(True)
+    s = torch.tensor(data["scale"], dtype=sdt, requires_grad=True)
+    t = torch.tensor(data["bias"], dtype=sdt, requires_grad=True)
     offsets = torch.tensor([0] + data["key_sizes"][:-1]).cumsum(0).tolist()
     if case["pos"] == "ids":
         pos = dict(query_ids=data["query_ids"], key_ids=data["key_ids"])
@@ -36,9 +40,17 @@ def _reference(case, seed):
         pos = dict(labels=torch.cat([lab + off for lab, off in zip(data["labels"], offsets)]))
     else:
         pos = dict(labels=torch.cat([torch.arange(b) + off for b, off in zip(case["sizes"], offsets)]))
-    loss = siglip_reference(q, k, s, t, **pos)
+    loss = siglip_reference(q, k, s, t, upcast=not plain, **pos)
     (loss * UPSTREAM).backward()
     return dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), dt=t.grad.item())
+
+
+def _within_plain_error(got, ref, plain, dtype, what):
+    """16-bit: within twice plain PyTorch's error in that dtype (tests/ops/accuracy.py)."""
+    for name in ("loss", "dq", "dk", "ds", "dt"):
+        g, r, p = (torch.as_tensor(x[name]).double() for x in (got, ref, plain))
+        err, bound = rel_err(g, r), error_bound(dtype, rel_err(p, r))
+        assert err <= bound, f"{name}, {what}: rel err {err:.2e} > {bound:.2e} (twice plain PyTorch's)"
 
 
 def _close(got, ref, rel, what):
@@ -72,6 +84,11 @@ def test_ring_matches_reference_and_openclip(world):
         _close(torch.cat([o["dk"] for o in outs]) / world, ref["dk"], grad_tol, f"dk, {name}")
         _close(sum(o["ds"] for o in outs) / world, ref["ds"], 1e-5, f"scale gradient, {name}")
         _close(sum(o["dt"] for o in outs) / world, ref["dt"], 1e-5, f"bias gradient, {name}")
+        if case["dtype"] != "fp32":
+            got = dict(loss=outs[0]["loss"], dq=torch.cat([o["dq"] for o in outs]) / world,
+                       dk=torch.cat([o["dk"] for o in outs]) / world, ds=sum(o["ds"] for o in outs) / world,
+                       dt=sum(o["dt"] for o in outs) / world)
+            _within_plain_error(got, ref, _reference(case, 100 + seed, plain=True), DTYPES[case["dtype"]], name)
     for r, res in enumerate(results):
         assert res["mismatch"] is not None and "feature dim" in res["mismatch"], res["mismatch"]
         assert res["nan_error"] is not None, f"rank {r} did not raise on another rank's NaN features"
