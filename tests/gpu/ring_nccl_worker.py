@@ -26,11 +26,11 @@ from ds_infcl.loss import contrastive_loss, siglip_loss  # noqa: E402
 from ds_infcl.ops import contrastive_loss_reference  # noqa: E402
 from ds_infcl.ops.siglip import siglip_reference  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative to the largest reference magnitude. fp32: fp32 accumulation (no TF32). bf16: inputs
 # are the same bf16 values in the reference; gradients come back rounded to bf16 and the kernels
 # keep the G tile in bf16 for the dq/dk products.
-TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-4, 1.5e-2)}
+TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-4, 1.5e-2), "fp16": (1e-4, 3e-3)}
 
 
 def cases(world):
@@ -51,6 +51,9 @@ def cases(world):
                     scale=10.0, bias=-3.0))
     out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=0, sizes=[8192] * world,
                     c=512, scale=10.0, bias=-10.0))
+    # fp16: the ring scales G's weight by a power of two that every rank shares (one all-reduce).
+    out.append(dict(loss="siglip", backend="triton", dtype="fp16", symmetric=False, hard=0, sizes=unequal,
+                    c=500, scale=10.0, bias=-10.0))
     return out
 
 
