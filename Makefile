@@ -24,16 +24,16 @@ $(STAMP): requirements-ci.txt requirements-nodeps.txt setup.cfg pyproject.toml
 
 # The main job on its built-in default: CLIP on the scikit-learn digits, 2 CPU ranks, deepspeed launcher.
 demo: $(STAMP)
-	$(BIN)/python -m ds_infcl.train.demo --task digits
+	$(BIN)/python -m ds_infcl.demos.trainer --task digits
 
 demo-synthetic: $(STAMP)
-	$(BIN)/python -m ds_infcl.train.demo --task synthetic
+	$(BIN)/python -m ds_infcl.demos.trainer --task synthetic
 
 demo-retrieval: $(STAMP)
-	$(BIN)/python -m ds_infcl.train.retrieval_demo --out runs/retrieval_demo
+	$(BIN)/python -m ds_infcl.demos.retrieval --out runs/retrieval_demo
 
 demo-loss: $(STAMP)
-	$(BIN)/python -m ds_infcl.demo
+	$(BIN)/python -m ds_infcl.demos.loss
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -2,6 +2,8 @@
 implementations (Inf-CL and the baselines), and SigLIP's sigmoid loss (``siglip_loss``,
 ``SigLIPLoss``)."""
 
+# Importing the implementations registers them (``functional``: infcl; ``baselines``: the peers').
+from ds_infcl.loss import baselines as _baselines  # noqa: F401
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
 from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl

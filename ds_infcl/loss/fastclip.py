@@ -1,3 +1,4 @@
+# Over 500 lines on purpose: FastCLIPLoss is one state machine (u tables, temperatures, ring pass) best read whole.
 """FastCLIP's global contrastive losses on the tiled LSE op: GCL, RGCL, RGCL-g (versions v0-v3,
 SogCLR, iSogCLR), after Wei et al., "FastCLIP" (``seeds/003_*.txt``, Algorithm 1, Procs. 2-5,
 Appendix B).
@@ -83,6 +84,7 @@ from torch import nn
 
 from ds_infcl.ops.lse import BACKENDS
 from ds_infcl.ops.validation import check_features
+from ds_infcl.loss.fastclip_estimators import _optimizer_step, inner_lr, log_eps_plus, log_inner, update_log_u
 from ds_infcl.ring import (
     agree_on_input_errors, all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad,
     group_size, resolve_group,
@@ -130,91 +132,6 @@ _NAMES: Dict[str, Dict] = {
     "isogclr": dict(version="v2", gamma_schedule="constant", gamma=0.6),
 }
 OPTIMIZERS = ("adamw", "lion", "sgdm")
-
-
-# --------------------------------------------------------------------------------------------
-# Building blocks (pure functions; the tests check them against fp64 directly)
-# --------------------------------------------------------------------------------------------
-
-
-def inner_lr(
-    epoch: int,
-    *,
-    schedule: str = "cosine",
-    gamma: float = 0.6,
-    gamma_min: float = 0.2,
-    decay_epochs: int = 18,
-) -> float:
-    """The inner learning rate ``gamma`` of epoch ``epoch`` (0-based).
-
-    ``"cosine"``: ``0.5 * (1 + cos(pi * min(epoch, E) / E)) * (1 - gamma_min) + gamma_min``: 1 in
-    epoch 0, ``gamma_min`` from epoch ``E = decay_epochs`` on, constant within an epoch.
-    ``"constant"``: ``gamma`` always (SogCLR, iSogCLR).
-    """
-    if schedule == "constant":
-        return float(gamma)
-    if schedule != "cosine":
-        raise ValueError(f'gamma_schedule must be "cosine" or "constant", got {schedule!r}')
-    if epoch < 0:
-        raise ValueError(f"epoch must be >= 0, got {epoch}")
-    if decay_epochs <= 0:
-        return float(gamma_min)
-    e = min(int(epoch), int(decay_epochs))
-    return 0.5 * (1.0 + math.cos(math.pi * e / decay_epochs)) * (1.0 - gamma_min) + gamma_min
-
-
-def log_inner(lse_vec: torch.Tensor, pos: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """``log g = lse - pos - log(N - 1)``: the log of the mean of ``exp(x_ij - x_ii)`` over the
-    ``N - 1`` negatives, from an LSE that excludes the positive. Finite for any finite input."""
-    return lse_vec - pos - math.log(num_pairs - 1)
-
-
-def update_log_u(log_u: torch.Tensor, log_g: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``log((1 - gamma) u + gamma g)`` from ``log u`` and ``log g``, stably; ``log u = -inf``
-    (never seen) gives ``log g``."""
-    log_g = log_g.to(log_u.dtype)
-    if gamma >= 1.0:
-        return log_g.clone()
-    mixed = torch.logaddexp(log_u + math.log1p(-gamma), log_g + math.log(gamma))
-    return torch.where(torch.isneginf(log_u), log_g, mixed)
-
-
-def log_eps_plus(log_u: torch.Tensor, eps: float) -> torch.Tensor:
-    """``log(eps + u)`` from ``log u`` (``eps > 0``)."""
-    return torch.logaddexp(log_u, torch.full_like(log_u, math.log(eps)))
-
-
-# --------------------------------------------------------------------------------------------
-# Temperature optimizers (Proc. 4 with weight decay 0), vectorized over any number of entries
-# --------------------------------------------------------------------------------------------
-
-
-def _optimizer_step(tau, grad, m, v, count, *, kind, lr, betas, adam_eps, momentum):
-    """One update of ``tau`` (in place) from ``grad``; ``m``, ``v``, ``count`` are updated too.
-
-    ``adamw``: Proc. 4 lines 13-16 with bias correction by ``count`` (per entry); LAMB with the
-    trust ratio fixed to 1 for the temperature (as the paper does, after EVA-CLIP) is the same.
-    ``lion``: lines 10-12. ``sgdm``: lines 1-2.
-    """
-    b1, b2 = betas
-    if kind == "adamw":
-        count += 1
-        m.mul_(b1).add_(grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        m_hat = m / (1 - b1 ** count)
-        v_hat = v / (1 - b2 ** count)
-        tau.sub_(lr * m_hat / (v_hat.sqrt() + adam_eps))
-    elif kind == "lion":
-        count += 1
-        c = m * b1 + grad * (1 - b1)
-        tau.sub_(lr * torch.sign(c))
-        m.mul_(b2).add_(grad, alpha=1 - b2)
-    elif kind == "sgdm":
-        count += 1
-        m.mul_(momentum).add_(grad)
-        tau.sub_(lr * m)
-    else:  # pragma: no cover - validated in the constructor
-        raise ValueError(kind)
 
 
 class _KeepFP32(nn.Module):
@@ -700,78 +617,4 @@ def build_fastclip_loss(name: str, num_samples: int, **kwargs) -> FastCLIPLoss:
     return FastCLIPLoss(num_samples, **settings)
 
 
-# --------------------------------------------------------------------------------------------
-# Materialized reference (tests import it): direct exp in the inputs' dtype, no LSE
-# --------------------------------------------------------------------------------------------
-
-
-def fastclip_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    version: str,
-    tau,
-    log_u1_old: torch.Tensor,
-    log_u2_old: torch.Tensor,
-    gamma: float,
-    eps: float,
-    rho: float = 0.0,
-):
-    """One step of FastCLIP materialized: ``g`` by direct ``exp`` of the ``[N, N]`` logits (use
-    float64 inputs), the u update, and two differentiable objectives.
-
-    ``tau`` is a 0-dim tensor (v0, v1, v3) or a pair of ``[N]`` tensors (v2); make them require
-    grad to get temperature gradients.
-
-    Returns a dict: ``g1, g2`` (``[N]``), ``u1, u2`` (updated), ``value`` (the objective with u),
-    ``model_objective`` whose autograd gradient with respect to the features is the FCCO
-    estimator and, for a global tau, with respect to tau the exact temperature gradient
-    (v0: Eq. 8, v3: Eq. 10), and for v2 ``tau_objective``, whose gradient with respect to
-    ``tau1_i`` is sample i's Eq. (9).
-    """
-    n = query.shape[0]
-    sim = query @ key.T
-    diag = sim.diagonal()
-    off = ~torch.eye(n, dtype=torch.bool, device=sim.device)
-    if version == "v2":
-        t1, t2 = tau
-        e1 = torch.exp((sim - diag[:, None]) / t1[:, None])  # rows: image i vs texts j
-        e2 = torch.exp((sim - diag[None, :]) / t2[None, :])  # cols: text j vs images i
-    else:
-        e1 = torch.exp((sim - diag[:, None]) / tau)
-        e2 = torch.exp((sim - diag[None, :]) / tau)
-    g1 = (e1 * off).sum(dim=1) / (n - 1)
-    g2 = (e2 * off).sum(dim=0) / (n - 1)
-
-    def upd(log_u_old, g):
-        u_old = log_u_old.exp()
-        u = (1 - gamma) * u_old + gamma * g.detach()
-        return torch.where(torch.isneginf(log_u_old), g.detach(), u)
-
-    u1, u2 = upd(log_u1_old, g1), upd(log_u2_old, g2)
-    le1, le2 = torch.log(eps + u1), torch.log(eps + u2)
-    frac1, frac2 = g1 / (eps + u1), g2 / (eps + u2)  # gradient-carrying g / (eps + u)
-    out = dict(g1=g1.detach(), g2=g2.detach(), u1=u1, u2=u2)
-    if version == "v2":
-        t1d, t2d = t1.detach(), t2.detach()
-        out["value"] = ((t1d * (le1 + rho)).sum() + (t2d * (le2 + rho)).sum()) / n
-        out["model_objective"] = ((t1d * frac1).sum() + (t2d * frac2).sum()) / n
-        # d/dtau1_i of tau1_i (log(eps + u1_i) + rho) + tau1_i * g1_i(tau1_i) / (eps + u1_i)
-        # with tau1_i held fixed in the second factor's prefactor:
-        out["tau_objective"] = ((t1 * (le1 + rho)).sum() + (t1d * frac1).sum()
-                                + (t2 * (le2 + rho)).sum() + (t2d * frac2).sum())
-        return out
-    mean_le = (le1.sum() + le2.sum()) / n
-    weighted = (frac1.sum() + frac2.sum()) / n
-    if version == "v0":
-        out["value"] = mean_le
-        out["model_objective"] = weighted
-    elif version == "v1":
-        out["value"] = tau.detach() * mean_le
-        out["model_objective"] = tau.detach() * weighted
-    elif version == "v3":
-        out["value"] = tau.detach() * mean_le + 2 * rho * tau.detach()
-        out["model_objective"] = tau.detach() * weighted + tau * (mean_le + 2 * rho)
-    else:
-        raise ValueError(f"unknown version {version!r}")
-    return out
+from ds_infcl.loss.fastclip_reference import fastclip_reference  # noqa: E402 (its tests import it from here)

@@ -11,6 +11,9 @@ called with validated inputs, where ``scale`` is a 0-dim float tensor (it may re
 key i; ``ds_infcl.ops.labels_or_diagonal`` makes the tensor where one is needed). It returns the global loss (the same value on every
 rank of ``group``), and after the data-parallel mean of gradients over ``group`` every gradient
 equals the single-device gradient on the global batch.
+
+This module imports none of the implementations: they register themselves when their modules
+are imported, which ``ds_infcl.loss`` (the package) does.
 """
 
 from __future__ import annotations
@@ -36,19 +39,12 @@ def register_loss_impl(name: str) -> Callable[[Callable], Callable]:
 
 def available_loss_impls() -> tuple:
     """Names of the registered implementations, sorted."""
-    _load_builtin()
     return tuple(sorted(_IMPLS))
 
 
 def get_loss_impl(name: str) -> Callable:
     """The implementation registered as ``name``; ``ValueError`` listing the valid names if none."""
-    _load_builtin()
     if name not in _IMPLS:
         raise ValueError(f"unknown loss implementation {name!r}; choose one of {sorted(_IMPLS)}")
     return _IMPLS[name]
 
-
-def _load_builtin() -> None:
-    # Importing the modules registers their implementations.
-    import ds_infcl.loss.baselines  # noqa: F401
-    import ds_infcl.loss.functional  # noqa: F401

@@ -1,3 +1,4 @@
+# Over 500 lines on purpose: the forward and backward launchers share one config, grid and chunking logic.
 """Triton kernels of the contrastive LSE op: one pass forward, one recompute backward.
 
 Maths (DESIGN.md section 2). Logits ``x_ij = s * q_i . k_j`` for queries ``q [b, c]`` and keys
@@ -10,7 +11,7 @@ Maths (DESIGN.md section 2). Logits ``x_ij = s * q_i . k_j`` for queries ``q [b,
 with ``a = dL/d row_lse`` and ``b = dL/d col_lse`` (either may be absent). A statistic of ``-inf``
 (every entry of that row/column excluded) gives probability 0, never NaN.
 
-Kernels and launchers, in reading order:
+Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in reading order:
 
 * ``_lse_fwd_kernel``: a persistent grid of ``G x S`` programs. Program ``(g, s)`` walks the
   query blocks ``g, g + G, g + 2G, ...`` and, for each, the key blocks of split ``s``. Each
@@ -58,7 +59,14 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
-import triton.language as tl
+
+from ds_infcl.ops.triton_lse_kernels import (
+    _lse_bwd_g_kernel,
+    _lse_fwd_kernel,
+    _merge_stats_kernel,
+    _positive_kernel,
+    _scale_out_kernel,
+)
 
 __all__ = [
     "lse_forward_triton",
@@ -67,9 +75,6 @@ __all__ = [
     "infonce_forward_triton",
     "allow_tf32",
 ]
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 # Backward scratch: the block of G written at once is at most CHUNK_ROWS x CHUNK_COLS elements
 # (8192 x 8192 in bf16 = 128 MiB). Large square blocks minimise the fp32 read-modify-write of
@@ -95,360 +100,6 @@ def allow_tf32() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``q @ k^T`` (K-loop over the feature dim)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    q_ptrs = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_k[None, :]
-    k_ptrs = k_ptr + offs_n.to(tl.int64)[:, None] * stride_k + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, c, BLOCK_K):
-        if EVEN_K:
-            qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            kt = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < c
-            qt = tl.load(q_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            kt = tl.load(k_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            kt = kt.to(tl.float32)
-        if PRECISION == 2:
-            acc = tl.dot(qt, tl.trans(kt), acc, input_precision="tf32")
-        elif PRECISION == 1:
-            acc = tl.dot(qt, tl.trans(kt), acc, input_precision="ieee")
-        else:  # 16-bit operands
-            acc = tl.dot(qt, tl.trans(kt), acc)
-        q_ptrs += BLOCK_K
-        k_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
-    """Logits ``acc * scale`` rounded once to fp32, never contracted into a later FMA: forward and
-    backward must see bit-identical logits, or at |x| ~ 1e3 a probability near 1 would be off by
-    ~1e-4 (the LSE of a row dominated by one logit is that very logit)."""
-    if EXACT_MUL:
-        return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f",
-            [acc, tl.zeros(acc.shape, tl.float32) + scale],
-            dtype=tl.float32, is_pure=True, pack=1,
-        )
-    else:
-        return acc * scale
-
-
-@triton.jit
-def _merge_max_sum(m1, s1, m2, s2):
-    """Merge two (max, sum of exp(x - max)) statistics; a max of -inf carries a sum of 0."""
-    m = tl.maximum(m1, m2)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return m, s1 * tl.exp2((m1 - m_safe) * LOG2E) + s2 * tl.exp2((m2 - m_safe) * LOG2E)
-
-
-@triton.jit
-def _tile_stats(x, row_ok, col_ok, SHARED_SHIFT: tl.constexpr):
-    """(max, sum of exp(x - max)) of every row and every column of a tile of logits ``x``.
-
-    Column statistics need a reduction across the rows, i.e. across warps. With ``SHARED_SHIFT``
-    the tile is shifted by its single maximum ``C``: one exponential per entry serves both the row
-    sums and the column sums, and no per-column maximum is reduced. That is exact as long as every
-    row and every column of the tile has a sum of ``exp(x - C)`` of at least 2^-80 (its largest
-    entry is then far inside the fp32 range, and what flushes to zero is below 2^-40 of it); a
-    tile that fails the check (rare: a spread of ~55 in the logits of one tile) takes the
-    per-row / per-column shifts.
-    """
-    if SHARED_SHIFT:
-        t_rmax = tl.max(x, axis=1)
-        t_max = tl.max(t_rmax, axis=0)
-        t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)
-        e = tl.exp2((x - t_safe) * LOG2E)
-        t_rsum = tl.sum(e, axis=1)
-        t_csum = tl.sum(e, axis=0)
-        least_row = tl.min(tl.where(row_ok, t_rsum, 1.0), axis=0)
-        least_col = tl.min(tl.where(col_ok, t_csum, 1.0), axis=0)
-        use_exact = (least_row < 8.271806125530277e-25) | (least_col < 8.271806125530277e-25)  # 2^-80
-        t_rmax = tl.zeros_like(t_rsum) + t_max
-        t_cmax = tl.zeros_like(t_csum) + t_max
-        if use_exact:
-            t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
-    else:
-        t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
-    return t_rmax, t_rsum, t_cmax, t_csum
-
-
-@triton.jit
-def _tile_stats_exact(x):
-    """Row and column statistics of a tile, each shifted by its own maximum (two exponentials)."""
-    t_rmax = tl.max(x, axis=1)
-    r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
-    t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
-    t_cmax = tl.max(x, axis=0)
-    c_safe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
-    t_csum = tl.sum(tl.exp2((x - c_safe[None, :]) * LOG2E), axis=0)
-    return t_rmax, t_rsum, t_cmax, t_csum
-
-
-@triton.jit
-def _lse_fwd_kernel(
-    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
-    b, m, c, stride_q, stride_k,
-    num_qblocks, kblocks_per_split, num_kblocks,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
-    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_COL: tl.constexpr,
-    SHARED_SHIFT: tl.constexpr,
-):
-    """Partial statistics: ``row_part[s, i]`` = LSE of row i over the keys of split ``s``;
-    ``(col_max, col_sum)[g, j]`` = max and sum of ``exp(x - max)`` of column j over the query
-    blocks of group ``g`` (statistics of a tile: ``_tile_stats``).
-    """
-    pid_g = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    num_g = tl.num_programs(0)
-    scale = tl.load(scale_ptr)  # a device scalar: a learnable scale costs no host sync
-    kb_lo = pid_s * kblocks_per_split
-    kb_hi = tl.minimum(kb_lo + kblocks_per_split, num_kblocks)
-    arange_m = tl.arange(0, BLOCK_M)
-    arange_n = tl.arange(0, BLOCK_N)
-    for qb in range(pid_g, num_qblocks, num_g):
-        offs_m = qb * BLOCK_M + arange_m
-        row_ok = offs_m < b
-        if EXCLUDE:
-            if HAS_LABELS:
-                lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
-            else:
-                lab = offs_m
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            offs_n = kb * BLOCK_N + arange_n
-            col_ok = offs_n < m
-            if COMPUTE_COL:
-                # This program's slot (no other program touches col_*[pid_g, offs_n]); loaded
-                # before the GEMM so that its latency hides behind it. The program's first query
-                # block starts the slot (empty statistics), so the buffers need no initialization.
-                slot = pid_g.to(tl.int64) * m + offs_n
-                seen = col_ok & (qb != pid_g)
-                old_max = tl.load(col_max_ptr + slot, mask=seen, other=float("-inf"))
-                old_sum = tl.load(col_sum_ptr + slot, mask=seen, other=0.0)
-            acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-            valid = row_ok[:, None] & col_ok[None, :]
-            if EXCLUDE:
-                valid = valid & (offs_n[None, :] != lab[:, None])
-            x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
-            if COMPUTE_COL:
-                t_rmax, t_rsum, t_cmax, t_csum = _tile_stats(x, row_ok, col_ok, SHARED_SHIFT)
-                new_max, new_sum = _merge_max_sum(old_max, old_sum, t_cmax, t_csum)
-                tl.store(col_max_ptr + slot, new_max, mask=col_ok)
-                tl.store(col_sum_ptr + slot, new_sum, mask=col_ok)
-            else:
-                t_rmax = tl.max(x, axis=1)
-                r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
-                t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
-            # Rows: online log-sum-exp across the key blocks of this split.
-            m_i, l_i = _merge_max_sum(m_i, l_i, t_rmax, t_rsum)
-        row_lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)) * LN2, float("-inf"))
-        tl.store(row_part_ptr + pid_s.to(tl.int64) * b + offs_m, row_lse, mask=row_ok)
-
-
-@triton.jit
-def _lse_bwd_g_kernel(
-    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr,
-    i0, j0, rows, cols, c, stride_q, stride_k, stride_a, stride_w, stride_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
-    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
-    HAS_POS: tl.constexpr, ONE_EXP: tl.constexpr,
-):
-    """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
-    ``[rows, cols]`` at ``g_ptr``.
-
-    ``r_ptr`` / ``cl_ptr`` hold the LSEs; a statistic of -inf (every entry of that row/column
-    excluded) is read as 0, so its probabilities are 0, never NaN. The weight vectors may have
-    stride 0 (one weight for all rows/columns). The logits are rounded
-    exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1. With
-    ``HAS_POS``, ``p_ptr[i]`` (the upstream gradient of the positive logit ``x_{i, labels_i}``) is
-    added to ``G`` at each row's positive, so the loss's positive terms need no pass of their own.
-    The scale gradient is not formed here: ``sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i`` comes from
-    the float32 accumulator of the product that follows (see the launcher).
-
-    With both directions and ``ONE_EXP``, one exponential per logit serves both terms:
-    ``exp(x - c_j) = exp(x - r_i) * exp(r_i - R) * exp(R - c_j)``, ``R`` the tile's largest row
-    LSE, so ``G_ij = exp(x_ij - r_i) * (a_i + u_i v_j)`` with ``u_i = exp(r_i - R)`` and
-    ``v_j = b_j exp(R - c_j)`` taken per row and per column. Exact when ``R - min_i r_i <= 80``
-    (no ``u_i`` underflows) and ``R - min_j c_j <= 60`` (no ``v_j`` overflows, and a term lost to
-    an underflowing ``exp(x - r_i)`` is below ``e^-27`` of its column's total); a tile outside
-    that range takes two exponentials.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    scale = tl.load(scale_ptr)
-    loc_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    loc_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = loc_m < rows
-    col_ok = loc_n < cols
-    offs_m = i0 + loc_m
-    offs_n = j0 + loc_n
-    if HAS_ROW:
-        r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
-        r = tl.where(r == float("-inf"), 0.0, r)
-        a = tl.load(a_ptr + offs_m.to(tl.int64) * stride_a, mask=row_ok, other=0.0)
-    if HAS_COL:
-        cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-        cl = tl.where(cl == float("-inf"), 0.0, cl)
-        w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
-    acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    in_bounds = row_ok[:, None] & col_ok[None, :]
-    valid = in_bounds
-    if EXCLUDE or HAS_POS:
-        if HAS_LABELS:
-            lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
-        else:
-            lab = offs_m
-    if EXCLUDE:
-        valid = valid & (offs_n[None, :] != lab[:, None])
-    x = _scaled(acc, scale, EXACT_MUL)
-    if HAS_ROW and HAS_COL:
-        r_hi = tl.max(tl.where(row_ok, r, float("-inf")), axis=0)
-        r_lo = tl.min(tl.where(row_ok, r, float("inf")), axis=0)
-        c_lo = tl.min(tl.where(col_ok, cl, float("inf")), axis=0)
-        if ONE_EXP and (r_hi - r_lo <= 80.0) and (r_hi - c_lo <= 60.0):
-            u = tl.exp2((r - r_hi) * LOG2E)
-            v = w * tl.exp2((r_hi - cl) * LOG2E)
-            g = tl.exp2((x - r[:, None]) * LOG2E) * (a[:, None] + u[:, None] * v[None, :])
-        else:
-            g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
-    elif HAS_ROW:
-        g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
-    elif HAS_COL:
-        g = w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
-    else:
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    g = tl.where(valid, g, 0.0)
-    if HAS_POS:
-        p = tl.load(p_ptr + offs_m.to(tl.int64) * stride_p, mask=row_ok, other=0.0)
-        g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
-    g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
-    tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
-
-
-@triton.jit
-def _positive_kernel(q_ptr, k_ptr, lab_ptr, out_ptr, scale_ptr, row_ptr, col_ptr, b, c, stride_q, stride_k,
-                     weight, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LABELS: tl.constexpr,
-                     EXACT_MUL: tl.constexpr, MODE: tl.constexpr):
-    """Positive logits ``pos_i = scale * q_i . k_{labels_i}`` in fp32, read row by row (``O(b c)``,
-    never a ``[b, c]`` float32 copy), rounded like the tile logits.
-
-    ``MODE`` 0 stores ``pos`` at ``out_ptr``; 1 stores this block's share of the one-direction
-    InfoNCE, ``weight * sum_i (row_i - pos_i)``, at ``out_ptr[block]``; 2 the symmetric one,
-    ``weight * sum_i (row_i - pos_i + col_{labels_i} - pos_i)`` (deterministic: one slot a block).
-    """
-    pid = tl.program_id(0)
-    scale = tl.load(scale_ptr)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < b
-    if HAS_LABELS:
-        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=0)
-    else:
-        lab = offs_m
-    offs_k = tl.arange(0, BLOCK_K)
-    q_ptrs = q_ptr + offs_m.to(tl.int64)[:, None] * stride_q + offs_k[None, :]
-    k_ptrs = k_ptr + lab.to(tl.int64)[:, None] * stride_k + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, c, BLOCK_K):
-        ok = row_ok[:, None] & ((k0 + offs_k) < c)[None, :]
-        qt = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
-        kt = tl.load(k_ptrs, mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(qt * kt, axis=1)
-        q_ptrs += BLOCK_K
-        k_ptrs += BLOCK_K
-    pos = _scaled(acc, scale, EXACT_MUL)
-    if MODE == 0:
-        tl.store(out_ptr + offs_m, pos, mask=row_ok)
-    else:
-        term = tl.load(row_ptr + offs_m, mask=row_ok, other=0.0) - pos
-        if MODE == 2:
-            term += tl.load(col_ptr + lab, mask=row_ok, other=0.0) - pos
-        tl.store(out_ptr + pid, tl.sum(tl.where(row_ok, term, 0.0), axis=0) * weight)
-
-
-@triton.jit
-def _merge_parts(max_ptr, sum_ptr, num_parts, n, offs, ok, HAS_SUM: tl.constexpr):
-    """LSE over ``num_parts`` partial statistics of ``n`` entries: the partials are LSE values
-    (``HAS_SUM`` false) or (max, sum of exp(x - max)) pairs, where a sum of 0 means nothing was
-    summed. An entry with nothing to sum stays ``-inf``."""
-    mx = tl.full(offs.shape, float("-inf"), dtype=tl.float32)
-    for p in range(num_parts):
-        v = tl.load(max_ptr + p * n + offs, mask=ok, other=float("-inf"))
-        if HAS_SUM:
-            v = tl.where(tl.load(sum_ptr + p * n + offs, mask=ok, other=0.0) > 0.0, v, float("-inf"))
-        mx = tl.maximum(mx, v)
-    safe = tl.where(mx == float("-inf"), 0.0, mx)
-    tot = tl.zeros(offs.shape, dtype=tl.float32)
-    for p in range(num_parts):
-        e = tl.exp2((tl.load(max_ptr + p * n + offs, mask=ok, other=float("-inf")) - safe) * LOG2E)
-        if HAS_SUM:
-            sm = tl.load(sum_ptr + p * n + offs, mask=ok, other=0.0)
-            e = tl.where(sm > 0.0, sm * e, 0.0)
-        tot += e
-    return tl.where(tot > 0.0, safe + tl.log2(tl.where(tot > 0.0, tot, 1.0)) * LN2, float("-inf"))
-
-
-@triton.jit
-def _merge_stats_kernel(row_part_ptr, num_splits, b, row_out_ptr, col_max_ptr, col_sum_ptr, num_groups, m,
-                        col_out_ptr, num_row_blocks, BLOCK: tl.constexpr, COMPUTE_COL: tl.constexpr):
-    """The forward's partial statistics into LSE vectors, in one launch: programs below
-    ``num_row_blocks`` merge the ``[S, b]`` row LSEs, the others the ``[G, m]`` column (max, sum
-    of exp) pairs."""
-    pid = tl.program_id(0)
-    if pid < num_row_blocks:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < b
-        lse = _merge_parts(row_part_ptr, row_part_ptr, num_splits, b, offs, ok, False)
-        tl.store(row_out_ptr + offs, lse, mask=ok)
-    elif COMPUTE_COL:
-        offs = (pid - num_row_blocks) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < m
-        lse = _merge_parts(col_max_ptr, col_sum_ptr, num_groups, m, offs, ok, True)
-        tl.store(col_out_ptr + offs, lse, mask=ok)
-
-
-@triton.jit
-def _scale_out_kernel(acc_ptr, factor_ptr, out_ptr, own_ptr, ds_ptr, rows, c, stride_own, ds_offset,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_DOT: tl.constexpr):
-    """``out = acc * factor`` (rounded once into the dtype of ``out``; in place when ``out`` is
-    ``acc``) for ``rows`` rows of a float32 accumulator; with ``HAS_DOT`` also this block's share
-    of the scale gradient, ``sum(acc * own)`` (before scaling), at ``ds_ptr[ds_offset + block]``."""
-    pid = tl.program_id(0)
-    factor = tl.load(factor_ptr)
-    offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rows
-    offs_c = tl.arange(0, BLOCK_C)
-    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, c, BLOCK_C):
-        ok = r_ok[:, None] & ((c0 + offs_c) < c)[None, :]
-        idx = offs_r.to(tl.int64)[:, None] * c + (c0 + offs_c)[None, :]
-        acc = tl.load(acc_ptr + idx, mask=ok, other=0.0)
-        if HAS_DOT:
-            own = tl.load(own_ptr + offs_r.to(tl.int64)[:, None] * stride_own + (c0 + offs_c)[None, :],
-                          mask=ok, other=0.0)
-            dot += tl.sum(acc * own.to(tl.float32), axis=1)
-        tl.store(out_ptr + idx, (acc * factor).to(out_ptr.dtype.element_ty), mask=ok)
-    if HAS_DOT:
-        tl.store(ds_ptr + ds_offset + pid, tl.sum(dot, axis=0))
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds_infcl.ops.triton_lse_kernels import LOG2E, _scaled, _tile_dot
 from ds_infcl.ops.triton_lse import (
-    LOG2E,
     _LAST_KERNELS,
     _check_inputs,
     _grad_scale,
@@ -44,8 +44,6 @@ from ds_infcl.ops.triton_lse import (
     _on_device,
     _pick_config,
     _scale_arg,
-    _scaled,
-    _tile_dot,
     chunk_blocks,
     chunked_g_products,
 )

@@ -10,7 +10,7 @@ deepspeed (:func:`default_group` only looks at ``sys.modules``).
 - ``collectives``: autograd-aware collectives (global loss from shares, all-gather with grad).
 """
 
-from ds_infcl.ring.collectives import all_gather_nograd, all_gather_with_grad, global_sum_with_grad
+from ds_infcl.ring.collectives import all_gather_blocks, all_gather_nograd, all_gather_with_grad, global_sum_with_grad
 from ds_infcl.ring.groups import default_group, global_rank, group_rank, group_size, resolve_group
 from ds_infcl.ring.layout import (
     PROTOCOLS,
@@ -25,6 +25,7 @@ __all__ = [
     "PROTOCOLS",
     "RingLayout",
     "agree_on_input_errors",
+    "all_gather_blocks",
     "all_gather_nograd",
     "all_gather_with_grad",
     "comm_device",

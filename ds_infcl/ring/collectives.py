@@ -9,18 +9,23 @@ global loss ``L``.
   the global value on every rank, with a backward that multiplies by ``W``.
 - :func:`all_gather_with_grad` gathers variable-size blocks; its backward sums the gradients of
   all ranks (reduce-scatter, or all-reduce and slice as DisCo-CLIP does) without averaging.
+- :func:`all_gather_nograd` / :func:`all_gather_blocks`: the same without gradient, with the
+  sizes given or exchanged first.
+
+These are the package's only autograd collectives: the InfoNCE ring, the baselines, SigLIP and the
+retrieval loss with false-negative masking all use them.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from ds_infcl.ring.layout import RingLayout, all_gather_single, reduce_scatter_single
 
-__all__ = ["global_sum_with_grad", "all_gather_with_grad", "all_gather_nograd"]
+__all__ = ["global_sum_with_grad", "all_gather_with_grad", "all_gather_nograd", "all_gather_blocks"]
 
 
 class _GlobalSum(torch.autograd.Function):
@@ -37,13 +42,18 @@ class _GlobalSum(torch.autograd.Function):
         return grad * ctx.world, None, None
 
 
-def global_sum_with_grad(share: torch.Tensor, layout: RingLayout, group=None) -> torch.Tensor:
+def global_sum_with_grad(share: torch.Tensor, layout: Union[RingLayout, int], group=None) -> torch.Tensor:
     """Sum of a scalar over the ranks (forward); gradient times the world size (backward).
 
     Use on a rank's share of a loss whose shares add up to the global loss: every rank returns
-    the global value, and after the data-parallel mean the gradients are exact.
+    the global value, and after the data-parallel mean the gradients are exact. The backward
+    assumes what the trainer does: every rank back-propagates the same upstream gradient through
+    the (identical) global value. ``layout`` is a ``RingLayout`` or the group's size.
     """
-    return _GlobalSum.apply(share, layout.world, group)
+    world = layout if isinstance(layout, int) else layout.world
+    if world == 1:
+        return share
+    return _GlobalSum.apply(share, world, group)
 
 
 def _gather_padded(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tensor:
@@ -55,6 +65,25 @@ def _gather_padded(x: torch.Tensor, sizes: Sequence[int], group) -> torch.Tensor
     if all(s == rows for s in sizes):
         return out
     return torch.cat([out[i * rows : i * rows + s] for i, s in enumerate(sizes)])
+
+
+def all_gather_blocks(x: torch.Tensor, group=None) -> List[torch.Tensor]:
+    """Every rank's ``x`` as a list in rank order, when the row counts are not known in advance
+    (one small all-gather of the counts first; trailing dims must agree). No gradient."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [x]
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [x]
+    count = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
+    counts = count.new_empty(world)
+    all_gather_single(counts, count, group=group)
+    sizes = [int(n) for n in counts.tolist()]
+    rows = max(max(sizes), 1)
+    padded = x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+    out = x.new_empty((world * rows,) + tuple(x.shape[1:]))
+    all_gather_single(out, padded.contiguous(), group=group)
+    return [out[i * rows : i * rows + s] for i, s in enumerate(sizes)]
 
 
 def all_gather_nograd(x: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:

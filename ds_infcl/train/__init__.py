@@ -1,24 +1,28 @@
 """DeepSpeed training of contrastive models: the only package that imports deepspeed.
 
 - ``config``: the run config (validated, cross-checked with the DeepSpeed JSON).
-- ``task``: the ``Task`` interface adapters implement, its registry, the synthetic task.
+- ``ds_config``: the DeepSpeed JSON: resolution against the run config, checks of its blocks.
 - ``model``: towers + ``ContrastiveLoss`` in one module for ``deepspeed.initialize``.
 - ``steps``: the uncached step and GradCache on DeepSpeed micro-steps.
 - ``optim``: the DeepSpeed JSON's optimizer on every accelerator (CPU substitutes).
 - ``checkpoint``, ``metrics``, ``loop``, ``cli``: the run itself (``python -m ds_infcl.train``).
-- ``demo``: the 2-rank CPU demo behind ``make demo``.
+- ``dist``: process group set-up, timeouts, clean exits.
+
+This package is the engine: it runs any task through the interface of ``ds_infcl.tasks.base``
+and imports no task module, demo or benchmark (``tests/test_layout.py``). Tasks live in
+``ds_infcl.tasks``, demos in ``ds_infcl.demos``, the engine benchmark in ``ds_infcl.bench.engine``.
 
 Importing this package does not import deepspeed; ``train`` does.
 """
 
-from ds_infcl.train.config import ConfigError, RunConfig, load_run_config, resolve_deepspeed_config
-from ds_infcl.train.task import Batch, SyntheticTask, Task, available_tasks, get_task, register_task
+from ds_infcl.train.config import ConfigError, RunConfig, load_run_config
+from ds_infcl.train.ds_config import resolve_deepspeed_config
+from ds_infcl.tasks.base import Batch, Task, available_tasks, get_task, register_task
 
 __all__ = [
     "Batch",
     "ConfigError",
     "RunConfig",
-    "SyntheticTask",
     "Task",
     "available_tasks",
     "get_task",
@@ -27,6 +31,16 @@ __all__ = [
     "resolve_deepspeed_config",
     "train",
 ]
+
+
+def __getattr__(name):
+    # ``from ds_infcl.train import SyntheticTask`` worked when the synthetic task lived here; it is
+    # now ``ds_infcl.tasks.synthetic.SyntheticTask`` (loaded on first use, like every task).
+    if name == "SyntheticTask":
+        from importlib import import_module
+
+        return import_module("ds_infcl.tasks.synthetic").SyntheticTask
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train(*args, **kwargs):

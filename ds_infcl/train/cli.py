@@ -17,7 +17,8 @@ import sys
 import warnings
 from typing import List, Optional
 
-from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, read_json_file, resolve_deepspeed_config
+from ds_infcl.train.config import ConfigError, apply_overrides, load_run_config, read_json_file
+from ds_infcl.train.ds_config import resolve_deepspeed_config
 
 __all__ = ["build_parser", "main"]
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_ds_config(path: str, overrides: List[str]) -> dict:
     """The DeepSpeed JSON with the ``--ds-set`` overrides; a key DeepSpeed would ignore (a typo such
     as ``zero_optimisation``) is warned about, with the closest known key, on rank 0."""
-    from ds_infcl.train.config import unknown_deepspeed_keys
+    from ds_infcl.train.ds_config import unknown_deepspeed_keys
 
     ds = apply_overrides(read_json_file(path, "--deepspeed_config"), overrides, what="--ds-set", delete_on_null=True)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -75,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             from ds_infcl.train.optim import prepare_optimizer
-            from ds_infcl.train.task import get_task
+            from ds_infcl.tasks.base import get_task
 
             resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
             prepare_optimizer(resolved, "cuda")

@@ -17,13 +17,14 @@ from typing import Any, Dict, Optional
 import torch
 
 from ds_infcl.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from ds_infcl.train.config import RunConfig, resolve_deepspeed_config
+from ds_infcl.train.config import RunConfig
+from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
 from ds_infcl.train.model import ContrastiveModel
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.steps import grad_cache_step, uncached_step
-from ds_infcl.train.task import Batch, as_batch, build_loss, get_task
+from ds_infcl.tasks.base import Batch, as_batch, build_loss, get_task
 
 __all__ = ["train", "TrainSummary", "Encoder"]
 
@@ -56,7 +57,7 @@ class Encoder:
         self.device = device
 
     def _run(self, mode: str, inputs):
-        from ds_infcl.train.task import tree_map
+        from ds_infcl.tasks.base import tree_map
 
         inputs = tree_map(lambda t: t.to(self.device), inputs)
         with torch.no_grad():
@@ -206,7 +207,7 @@ def train(
     logger = MetricsLogger(
         cfg.output_dir, enabled=rank == 0, csv_enabled=cfg.logging.csv,
         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
-        total_steps=cfg.train.num_steps, start_step=start_step,
+        total_steps=cfg.train.num_steps, start_step=start_step, monitor=getattr(engine, "monitor", None),
     )
     if rank == 0:
         os.makedirs(cfg.output_dir, exist_ok=True)

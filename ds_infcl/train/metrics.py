@@ -1,12 +1,15 @@
-"""Training metrics on rank 0: a CSV file, TensorBoard (when importable) and a tqdm bar.
+"""Training metrics on rank 0: a CSV file, TensorBoard, DeepSpeed's monitors and a tqdm bar.
 
 ``<output_dir>/metrics.csv`` has one row per logged step with the columns of ``TRAIN_COLUMNS``;
 evaluation results go to ``<output_dir>/eval.csv`` (``step`` plus the task's metric names). On
 resume, rows after the resumed step (written by the interrupted run after its last checkpoint)
 are dropped, so the file reads as one uninterrupted run. TensorBoard events go to
-``<output_dir>/tensorboard`` through ``torch.utils.tensorboard``; without the ``tensorboard``
-package (which that needs) one notice is printed and ``ds_infcl.train.tbwriter`` writes the
-scalar event files itself.
+``<output_dir>/tensorboard`` through ``torch.utils.tensorboard`` (the ``tensorboard`` package, in
+the ``train`` extra); on resume the writer purges the events after the resumed step, so TensorBoard
+shows each step once. When the DeepSpeed JSON enables its own monitors (``tensorboard``, ``wandb``,
+``csv_monitor``, ``comet``), the same scalars also go to them through ``engine.monitor`` as
+``Train/<name>`` and ``Eval/<name>`` against the optimizer step (DeepSpeed's own ``Train/Samples/*``
+events use the sample count).
 """
 
 from __future__ import annotations
@@ -57,10 +60,9 @@ class MetricsLogger:
         enabled: ``True`` on rank 0.
         csv_enabled / tensorboard / progress_bar: the ``logging`` section of the run config.
         total_steps / start_step: for the progress bar; ``start_step > 0`` also truncates the CSV
-            files to rows ``<= start_step`` (resume).
+            files to rows ``<= start_step`` and purges later TensorBoard events (resume).
+        monitor: DeepSpeed's ``engine.monitor`` when the JSON enables one (``write_events``).
     """
-
-    _warned_tb = False
 
     def __init__(
         self,
@@ -72,8 +74,10 @@ class MetricsLogger:
         progress_bar: bool = True,
         total_steps: int = 0,
         start_step: int = 0,
+        monitor=None,
     ):
         self.enabled = enabled
+        self._monitor = monitor if enabled and getattr(monitor, "enabled", False) else None
         self.output_dir = output_dir
         self._csv_enabled = csv_enabled and enabled
         self._tb = None
@@ -100,18 +104,9 @@ class MetricsLogger:
                     self._eval_header = next(csv.reader(f), None)
         if tensorboard:
             tb_dir = os.path.join(output_dir, "tensorboard")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # checked at config load
 
-                self._tb = SummaryWriter(tb_dir, purge_step=start_step + 1 if start_step else None)
-            except (ImportError, ModuleNotFoundError) as e:
-                from ds_infcl.train.tbwriter import ScalarEventWriter
-
-                self._tb = ScalarEventWriter(tb_dir)
-                if not MetricsLogger._warned_tb:
-                    print(f"[ds_infcl] torch.utils.tensorboard is unavailable ({e}); writing scalar event "
-                          f"files with ds_infcl's own writer to {tb_dir}", file=sys.stderr)
-                    MetricsLogger._warned_tb = True
+            self._tb = SummaryWriter(tb_dir, purge_step=start_step + 1 if start_step else None)
         if progress_bar:
             from tqdm import tqdm
 
@@ -127,6 +122,9 @@ class MetricsLogger:
             for k in TRAIN_COLUMNS[1:]:
                 if k in row:
                     self._tb.add_scalar(f"train/{k}", row[k], int(row["step"]))
+        if self._monitor is not None:
+            step = int(row["step"])
+            self._monitor.write_events([(f"Train/{k}", float(row[k]), step) for k in TRAIN_COLUMNS[1:] if k in row])
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{row['loss']:.4f}", scale=f"{row.get('scale', float('nan')):.2f}",
                                   sps=f"{row.get('samples_per_s', 0):.0f}", refresh=False)
@@ -148,6 +146,8 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(f"eval/{k}", v, step)
+        if self._monitor is not None:
+            self._monitor.write_events([(f"Eval/{k}", float(v), step) for k, v in sorted(metrics.items())])
         if self._bar is not None:
             self._bar.write(f"[eval step {step}] " + format_metrics(metrics))
 

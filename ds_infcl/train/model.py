@@ -29,7 +29,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ds_infcl.train.task import tree_map
+from ds_infcl.tasks.base import tree_map
 
 __all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names"]
 

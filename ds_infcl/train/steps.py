@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ds_infcl.train.model import loss_with_params
-from ds_infcl.train.task import Batch
+from ds_infcl.tasks.base import Batch
 
 __all__ = ["StepResult", "uncached_step", "grad_cache_step", "move_batch", "get_rng_state", "set_rng_state"]
 

@@ -6,7 +6,7 @@ GradCache, for the InfoNCE and the SigLIP loss; its export loads back with
     TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_open_clip_task.py
 
 On CPU-only machines ``import open_clip`` needs a CPU torchvision (see docs/siglip.md); the CPU
-suite checks the task's error for that case (tests/train/test_clip_task.py).
+suite checks the task's error for that case (tests/tasks/test_clip.py).
 """
 
 import json
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("impl", ["infcl", "siglip"])
 def test_open_clip_model_trains_and_exports(tmp_path, impl):
-    from ds_infcl.train.clip_task import ensure_digits_shards
+    from ds_infcl.tasks.clip import ensure_digits_shards
 
     data = os.environ.get("DS_INFCL_DIGITS", str(tmp_path / "digits"))
     ensure_digits_shards(data)

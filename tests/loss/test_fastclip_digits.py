@@ -1,7 +1,7 @@
 """FastCLIP on the digits CLIP: a short smoke test, and the comparison run of docs/fastclip.md.
 
 The comparison trains ``digits-tiny`` from scratch in one process (plain torch, the same
-recipe as ``ds_infcl.train.clip_digits_check``) with
+recipe as ``ds_infcl.demos.clip_digits_check``) with
 
 - FastCLIP-v3 at a small global batch,
 - InfoNCE (Inf-CL ``ContrastiveLoss``, learnable temperature) at the same batch,

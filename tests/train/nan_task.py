@@ -4,7 +4,7 @@ second call on (a diverged step, as a user would see it)."""
 import torch
 from torch import nn
 
-from ds_infcl.train.task import SyntheticTask
+from ds_infcl.tasks.synthetic import SyntheticTask
 
 
 class _NanAfterFirst(nn.Module):

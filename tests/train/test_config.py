@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from ds_infcl.train.cli import main
-from ds_infcl.train.config import (
-    ConfigError, apply_overrides, resolve_deepspeed_config, run_config_from_dict, unknown_deepspeed_keys,
-)
+from ds_infcl.train.config import ConfigError, apply_overrides, run_config_from_dict
+from ds_infcl.train.ds_config import resolve_deepspeed_config, unknown_deepspeed_keys
 from ds_infcl.train.optim import Lamb, Lion, prepare_optimizer
-from ds_infcl.train.task import Batch, SyntheticTask, get_task
+from ds_infcl.tasks.base import Batch, get_task
+from ds_infcl.tasks.synthetic import SyntheticTask
 from tests.train.harness import REPO
 
 ZERO2 = str(REPO / "ds_configs" / "zero2.json")
@@ -169,9 +169,9 @@ def test_synthetic_task_is_a_function_of_the_global_index():
     torch.testing.assert_close(r1.query_inputs, whole.query_inputs[4:])
     with pytest.raises(ConfigError, match=r"task.name: unknown task 'nope'; choose one of \['bench_clip', 'clip', 'open_clip', 'retrieval', 'synthetic'\] or give an import path"):
         get_task("nope")
-    with pytest.raises(ConfigError, match=r"task.name: module 'ds_infcl.train.task' has no attribute 'Nope'"):
-        get_task("ds_infcl.train.task:Nope")
-    assert isinstance(get_task("ds_infcl.train.task:SyntheticTask", {"embed_dim": 8}), SyntheticTask)
+    with pytest.raises(ConfigError, match=r"task.name: module 'ds_infcl.tasks.base' has no attribute 'Nope'"):
+        get_task("ds_infcl.tasks.base:Nope")
+    assert isinstance(get_task("ds_infcl.tasks.synthetic:SyntheticTask", {"embed_dim": 8}), SyntheticTask)
     with pytest.raises(ConfigError, match=r"task.args: .*unexpected keyword argument 'colour'"):
         get_task("synthetic", {"colour": 1})
     with pytest.raises(ConfigError, match=r"task.module: cannot import 'no.such.module'"):
@@ -190,27 +190,6 @@ def test_cli_check(tmp_path, capsys):
                  "--ds-set", "train_batch_size=32"]) == 2
     assert "train_batch_size = 32 contradicts" in capsys.readouterr().err
 
-
-def test_tensorboard_event_files_without_tensorboard(tmp_path):
-    from ds_infcl.train.metrics import MetricsLogger
-    from ds_infcl.train.tbwriter import ScalarEventWriter, crc32c, read_scalar_events
-
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    w = ScalarEventWriter(str(tmp_path / "tb"))
-    w.add_scalar("train/loss", 1.5, 3)
-    w.add_scalar("train/loss", 0.25, 300)
-    w.close()
-    assert read_scalar_events(w.path) == [("train/loss", 3, 1.5), ("train/loss", 300, 0.25)]
-
-    log = MetricsLogger(str(tmp_path / "run"), enabled=True, progress_bar=False)
-    log.log_train({"step": 1, "loss": 2.0, "logit_scale": 2.6, "samples_per_s": 10.0})
-    log.log_eval(1, {"recall": 0.5})
-    log.close()
-    files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
-    assert len(files) == 1
-    events = read_scalar_events(str(files[0]))
-    assert ("train/loss", 1, 2.0) in events and ("eval/recall", 1, 0.5) in events
-    assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1].startswith("1,2.0,2.6")
 
 
 def test_eval_counts_print_as_integers():

@@ -153,7 +153,7 @@ def _fastclip_available():
 
 def _clip_task_available():
     try:
-        import ds_infcl.train.clip_task  # noqa: F401
+        import ds_infcl.tasks.clip  # noqa: F401
     except ImportError:
         return False
     return True
@@ -279,7 +279,7 @@ def test_clip_adapter_task_trains_and_exports(runs):
     """The CLIP adapter's task plugs into the trainer: dict batches, GradCache, its evaluation, and
     the final-model export through its save_pretrained."""
     if not _clip_task_available():
-        pytest.skip("ds_infcl.train.clip_task is not there")
+        pytest.skip("ds_infcl.tasks.clip is not there")
     s = h.summary(runs / "clip_task")
     assert s["steps"] == 2 and s["num_chunks"] == 2
     assert all(torch.isfinite(torch.tensor(s["losses"])))

@@ -11,7 +11,8 @@ from torch import nn
 from ds_infcl.loss import ContrastiveLoss, SigLIPLoss
 from ds_infcl.train.model import ContrastiveModel, loss_with_params
 from ds_infcl.train.steps import grad_cache_step, uncached_step
-from ds_infcl.train.task import Batch, SyntheticTask
+from ds_infcl.tasks.base import Batch
+from ds_infcl.tasks.synthetic import SyntheticTask
 
 
 class FakeEngine:
@@ -205,7 +206,7 @@ def test_fastclip_loss_through_both_steps():
     the batch): one GradCache step equals one uncached step, and the state is updated once."""
     pytest.importorskip("ds_infcl.loss.fastclip")
     from ds_infcl.train.config import LossConfig
-    from ds_infcl.train.task import build_loss
+    from ds_infcl.tasks.base import build_loss
 
     task = SyntheticTask(num_samples=40)
     batch = next(task.batches(rank=0, world_size=1, local_batch_size=12, start_step=3, seed=0))

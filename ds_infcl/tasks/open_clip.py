@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_infcl.train.clip_task import ClipTask
+from ds_infcl.tasks.clip import ClipTask
 
 __all__ = ["OpenClipTask", "OpenClipTowers"]
 

@@ -3,7 +3,7 @@ hard negatives and false-negative ids, held-out metrics, export to a sentence-tr
 
 ``RetrievalTask`` follows the trainer's ``Task`` interface by its methods (adapters never import
 the trainer): ``batches`` yields dicts with the fields of the trainer's ``Batch``. Select it in a
-run config with ``"task": {"name": "ds_infcl.train.retrieval_task:RetrievalTask", "args": {...}}``.
+run config with ``"task": {"name": "ds_infcl.tasks.retrieval:RetrievalTask", "args": {...}}``.
 
 Batches: each step's *global* batch comes from :class:`GlobalNoDuplicatesBatchSampler` (no text
 twice across all ranks); this rank tokenizes its share. Keys are grouped by query
@@ -28,7 +28,7 @@ import torch
 
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
-from ds_infcl.train.config import ConfigError
+from ds_infcl.errors import ConfigError
 from ds_infcl.data.retrieval import (
     GlobalNoDuplicatesBatchSampler,
     MalformedTally,

@@ -13,7 +13,7 @@ def test_demo_pipeline_on_tiny_model(tmp_path):
     pytest.importorskip("chatterbot_corpus")
     pytest.importorskip("yaml")
     from ds_infcl.adapters.retrieval import positive_id_matrix
-    from ds_infcl.train.retrieval_demo import run_demo
+    from ds_infcl.demos.retrieval import run_demo
 
     out = str(tmp_path / "demo")
     result = run_demo(out, model_path=make_tiny_model_dir(str(tmp_path / "tiny")), steps=1, chunk_size=256,

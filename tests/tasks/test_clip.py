@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_infcl.adapters.clip import ClipModel
-from ds_infcl.train.clip_task import ClipTask, ensure_digits_shards
+from ds_infcl.tasks.clip import ClipTask, ensure_digits_shards
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_infcl_and_vanilla_give_the_same_digits_loss_curve(digits_dir, tmp_path)
     # Exactness in training: same seed, 50 steps of the digits recipe, the tiled Inf-CL loss and the
     # materialized all-gather loss must follow the same curve (fp32; differences are rounding that
     # training amplifies slowly).
-    from ds_infcl.train.clip_digits_check import main as digits_check
+    from ds_infcl.demos.clip_digits_check import main as digits_check
 
     curves = {}
     for impl in ("infcl", "vanilla"):
@@ -110,7 +110,7 @@ def test_caption_positives_and_siglip_export(digits_dir, tmp_path):
     from types import SimpleNamespace
 
     from ds_infcl.loss import SigLIPLoss
-    from ds_infcl.train.clip_task import caption_ids
+    from ds_infcl.tasks.clip import caption_ids
 
     task = ClipTask(digits_dir, positives="caption")
     task.build_towers()
@@ -147,7 +147,7 @@ def test_open_clip_task_without_a_working_open_clip_is_a_clear_error(digits_dir)
         pass
     else:  # pragma: no cover - a machine with a working torchvision
         pytest.skip("open_clip imports here: the GPU test trains the task")
-    from ds_infcl.train.task import get_task
+    from ds_infcl.tasks.base import get_task
 
     with pytest.raises(ValueError, match="needs open_clip_torch with a working torchvision"):
         get_task("open_clip", {"data_dir": digits_dir, "model_name": "ViT-B-32"})

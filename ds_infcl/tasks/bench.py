@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator
 import torch
 from torch import nn
 
-from ds_infcl.train.task import Batch, Task, register_task
+from ds_infcl.tasks.base import Batch, Task, register_task
 
 __all__ = ["BenchClipTask", "ARCHS"]
 

@@ -1,6 +1,6 @@
 """The CLIP image-text task for the trainer: towers, webdataset batches, zero-shot evaluation.
 
-``ClipTask`` follows the trainer's ``Task`` interface (``ds_infcl.train.task``) by its methods;
+``ClipTask`` follows the trainer's ``Task`` interface (``ds_infcl.tasks.base``) by its methods;
 ``batches`` yields plain dicts with the fields of the trainer's ``Batch`` (``query_inputs``,
 ``key_inputs``, ``sample_index``), which the trainer accepts. The trainer knows it as
 ``task.name: "clip"``.
@@ -215,7 +215,7 @@ class ClipTask:
 
     def build_loss(self, loss_config):
         """The trainer's default loss (``Task.build_loss``); ``positives: caption`` needs SigLIP."""
-        from ds_infcl.train.task import Task
+        from ds_infcl.tasks.base import Task
 
         if self.positives == "caption" and loss_config.impl != "siglip":
             raise ValueError(f"task.args.positives: 'caption' needs loss.impl 'siglip' (got {loss_config.impl!r}): "

@@ -4,7 +4,7 @@ No DeepSpeed, no process group: this checks that the towers, the data pipeline, 
 the ``infcl`` loss and the evaluation fit together and learn, and finds settings for the demo
 (which runs the same task through the deepspeed launcher on 2 ranks)::
 
-    python -m ds_infcl.train.clip_digits_check --data data/digits --steps 150
+    python -m ds_infcl.demos.clip_digits_check --data data/digits --steps 150
 
 It writes the digits shards if ``--data`` has none, trains a tokenizer on the training captions,
 trains ``--arch`` from scratch with AdamW (warmup + cosine), evaluates zero-shot accuracy and

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ds_infcl.train.cli import main as train_main
-from ds_infcl.train.demo import TASKS, demo_run_config
+from ds_infcl.demos.trainer import TASKS, demo_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -84,7 +84,7 @@ def test_records_are_checked_at_load(tmp_path):
     import json
 
     from ds_infcl.train.config import ConfigError
-    from ds_infcl.train.task import get_task
+    from ds_infcl.tasks.base import get_task
 
     path = tmp_path / "train.jsonl"
     with open(path, "w") as f:
