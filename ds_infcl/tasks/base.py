@@ -26,6 +26,7 @@ import first (where the registration lives).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -42,6 +43,8 @@ __all__ = [
     "as_batch",
     "build_loss",
     "tree_map",
+    "check_only",
+    "checking",
 ]
 
 
@@ -182,6 +185,26 @@ class Task:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+
+_CHECKING = [False]
+
+
+@contextlib.contextmanager
+def check_only():
+    """Tasks built inside validate everything a run would read and write nothing (``--check``):
+    built-in data that is not on disk yet is not generated, no cache file is written."""
+    previous = _CHECKING[0]
+    _CHECKING[0] = True
+    try:
+        yield
+    finally:
+        _CHECKING[0] = previous
+
+
+def checking() -> bool:
+    """True while a task is built by ``--check`` (see ``check_only``)."""
+    return _CHECKING[0]
 
 
 _TASKS: Dict[str, Callable[..., Task]] = {}

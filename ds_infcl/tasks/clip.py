@@ -9,10 +9,13 @@ Images travel as ``uint8`` pixels by default (``image_dtype``) and the model nor
 the device: a quarter of the host memory of float32 batches, which matters at global batches of
 tens of thousands (a 32k batch of 224 px images is 4.9 GB in uint8).
 
-Data: either the built-in digits (``data_dir`` without manifests: the shards are written there
-on first use) or any shard folder with ``train.json``/``heldout.json`` manifests written by the
-shard writer or ``ds_infcl.data.synthetic`` (and optionally ``zero_shot.json``: ``class_names``,
-``templates``), or explicit brace patterns (``train_shards``, ``heldout_shards``).
+Data: the built-in digits only when asked for by name (``data_dir: "builtin:digits"``, the
+default; written on first use to ``$DS_INFCL_DIGITS`` or ``data/digits``), or a shard folder with
+``train.json``/``heldout.json`` manifests written by the shard writer or ``ds_infcl.data.synthetic``
+(and optionally ``zero_shot.json``: ``class_names``, ``templates``), or a folder the digits
+writer wrote before, or explicit brace patterns (``train_shards``, ``heldout_shards``). A folder
+that does not exist, holds no manifest, or whose manifest names missing shards is a
+``ConfigError`` naming the path, before anything is built; ``--check`` writes nothing.
 
 Model: a named architecture (``arch``) trained from scratch, or a folder (``model_path``): one
 written by ``ClipModel.save`` or a Hugging Face ``CLIPModel`` checkpoint. The tokenizer comes
@@ -36,8 +39,17 @@ from ds_infcl.adapters.clip_eval import evaluate_encoders
 from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions, read_manifest
 from ds_infcl.data.digits import read_digits_info, write_digits_shards
+from ds_infcl.errors import ConfigError
+from ds_infcl.tasks.base import checking
 
-__all__ = ["ClipTask", "caption_ids", "ensure_digits_shards"]
+__all__ = ["ClipTask", "caption_ids", "ensure_digits_shards", "BUILTIN_DATA", "builtin_digits_dir", "resolve_data_dir"]
+
+BUILTIN_DATA = ("builtin:digits",)
+_DATA_FOLDER_HELP = (
+    "a data folder holds train.json (and optionally heldout.json, zero_shot.json) manifests next to "
+    "its .tar shards, as python -m ds_infcl.data.write_shards writes them; give "
+    "data_dir: \"builtin:digits\" for the built-in digits, or train_shards: a brace pattern"
+)
 
 
 def caption_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -72,12 +84,88 @@ def ensure_digits_shards(data_dir: str, seed: int = 0) -> Dict[str, Any]:
     return read_digits_info(data_dir)
 
 
+def builtin_digits_dir() -> str:
+    """Where ``builtin:digits`` lives: ``$DS_INFCL_DIGITS``, else ``data/digits`` (relative to the
+    working directory, as the demo writes it)."""
+    return os.environ.get("DS_INFCL_DIGITS") or os.path.join("data", "digits")
+
+
+def _manifest_shards(manifest: Dict[str, Any], path: str) -> None:
+    from ds_infcl.data import expand_shard_urls
+
+    missing = [u for u in expand_shard_urls(manifest["urls"]) if not os.path.isfile(u)]
+    if missing:
+        raise ConfigError(
+            f"task.args.data_dir: {path} names {len(missing)} shard(s) that do not exist, first "
+            f"{missing[0]}; rewrite the manifest or restore the shards"
+        )
+
+
+def _read_manifest_checked(path: str) -> Dict[str, Any]:
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"task.args.data_dir: cannot read the manifest {path}: {e}") from None
+    _manifest_shards(manifest, path)
+    return manifest
+
+
+def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
+    """The data of ``data_dir``: ``{"train": manifest, "heldout"?: manifest, "class_names"?,
+    "zero_shot_templates"?}`` with absolute shard patterns in ``manifest["urls"]``.
+
+    ``"builtin:digits"`` writes the digits on first use (``None`` under ``--check`` when they are
+    not written yet: nothing is written then). Anything else must be an existing folder with a
+    ``train.json`` manifest (or one the digits writer wrote) whose shards all exist.
+
+    Raises:
+        ConfigError: naming the path and what a data folder holds.
+    """
+    if data_dir.startswith("builtin:"):
+        if data_dir not in BUILTIN_DATA:
+            raise ConfigError(f"task.args.data_dir: unknown built-in data {data_dir!r}; built-in: {list(BUILTIN_DATA)}")
+        folder = builtin_digits_dir()
+        if not os.path.exists(os.path.join(folder, "digits.json")):
+            if checking():
+                print(f"[ds_infcl] --check: the built-in digits are not written yet; the run will write them "
+                      f"to {folder}", flush=True)
+                return None
+        return ensure_digits_shards(folder, seed=seed)
+    if not os.path.exists(data_dir):
+        raise ConfigError(f"task.args.data_dir: {data_dir} does not exist; {_DATA_FOLDER_HELP}")
+    if not os.path.isdir(data_dir):
+        raise ConfigError(f"task.args.data_dir: {data_dir} is not a folder; {_DATA_FOLDER_HELP}")
+    if os.path.exists(os.path.join(data_dir, "digits.json")):
+        info = read_digits_info(data_dir)
+        for split in ("train", "heldout"):
+            _manifest_shards(info[split], os.path.join(data_dir, "digits.json"))
+        return info
+    train = os.path.join(data_dir, "train.json")
+    if not os.path.exists(train):
+        raise ConfigError(f"task.args.data_dir: {data_dir} holds no train.json manifest; {_DATA_FOLDER_HELP}")
+    info: Dict[str, Any] = {"train": _read_manifest_checked(train)}
+    heldout = os.path.join(data_dir, "heldout.json")
+    if os.path.exists(heldout):
+        info["heldout"] = _read_manifest_checked(heldout)
+    zero_shot = os.path.join(data_dir, "zero_shot.json")
+    if os.path.exists(zero_shot):
+        try:
+            with open(zero_shot) as f:
+                prompts = json.load(f)
+            info["class_names"] = prompts["class_names"]
+            info["zero_shot_templates"] = prompts["templates"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"task.args.data_dir: {zero_shot} needs class_names and templates: {e!r}") from None
+    return info
+
+
 class ClipTask:
-    """CLIP on image + caption shards (the built-in digits by default).
+    """CLIP on image + caption shards (the built-in digits by default, by name).
 
     Args:
-        data_dir: digits shard folder (written if missing) or a folder with ``train.json`` and
-            ``heldout.json`` manifests (and ``zero_shot.json`` for zero-shot prompts).
+        data_dir: ``"builtin:digits"`` (written on first use, see ``builtin_digits_dir``) or an
+            existing folder with ``train.json`` and ``heldout.json`` manifests (and
+            ``zero_shot.json`` for zero-shot prompts), or one the digits writer wrote.
         train_shards, heldout_shards: brace patterns, instead of ``data_dir``'s manifests.
         arch: named architecture or JSON file, trained from scratch (ignored with ``model_path``).
         model_path: a ``ClipModel.save`` folder or a local HF ``CLIPModel`` checkpoint.
@@ -103,7 +191,7 @@ class ClipTask:
 
     def __init__(
         self,
-        data_dir: Optional[str] = "data/digits",
+        data_dir: Optional[str] = "builtin:digits",
         *,
         train_shards: Optional[str] = None,
         heldout_shards: Optional[str] = None,
@@ -142,25 +230,15 @@ class ClipTask:
         info: Dict[str, Any] = {}
         if train_shards is None:
             if data_dir is None:
-                raise ValueError("give data_dir or train_shards")
-            if os.path.exists(os.path.join(data_dir, "train.json")) and not os.path.exists(
-                os.path.join(data_dir, "digits.json")
-            ):
-                info["train"] = read_manifest(os.path.join(data_dir, "train.json"))
-                heldout = os.path.join(data_dir, "heldout.json")
-                if os.path.exists(heldout):
-                    info["heldout"] = read_manifest(heldout)
-                zero_shot = os.path.join(data_dir, "zero_shot.json")
-                if os.path.exists(zero_shot):
-                    with open(zero_shot) as f:
-                        prompts = json.load(f)
-                    info["class_names"] = prompts["class_names"]
-                    info["zero_shot_templates"] = prompts["templates"]
-            else:
-                info = ensure_digits_shards(data_dir, seed=seed)
+                raise ConfigError("task.args: give data_dir or train_shards")
+            info = resolve_data_dir(str(data_dir), seed=seed)
+            if info is None:  # --check before the built-in digits are written: nothing to read
+                self._unbuilt = True
+                return
             train_shards = info["train"]["urls"]
             if heldout_shards is None and "heldout" in info:
                 heldout_shards = info["heldout"]["urls"]
+        self._unbuilt = False
         self.train_shards = train_shards
         self.heldout_shards = heldout_shards
         self.class_names = class_names if class_names is not None else info.get("class_names")

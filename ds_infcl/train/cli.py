@@ -76,11 +76,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             from ds_infcl.train.optim import prepare_optimizer
-            from ds_infcl.tasks.base import get_task
+            from ds_infcl.tasks.base import check_only, get_task
 
             resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
             prepare_optimizer(resolved, "cuda")
-            get_task(cfg.task.name, cfg.task.args, cfg.task.module)
+            with check_only():  # validates what the run would read; writes nothing
+                get_task(cfg.task.name, cfg.task.args, cfg.task.module)
             print(f"ok: world {world}, global batch {layout.global_batch_size} = micro {layout.micro_batch_size}"
                   f" x accumulation {layout.num_chunks} x {world}")
             return 0

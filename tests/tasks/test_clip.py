@@ -151,3 +151,79 @@ def test_open_clip_task_without_a_working_open_clip_is_a_clear_error(digits_dir)
 
     with pytest.raises(ValueError, match="needs open_clip_torch with a working torchvision"):
         get_task("open_clip", {"data_dir": digits_dir, "model_name": "ViT-B-32"})
+
+
+# -- Issue 13, item 1: built-in data only by name; a bad data folder is a config error at load ----
+
+
+def _check(tmp_path, data_dir, capsys, **env):
+    from ds_infcl.train.cli import main
+
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({
+        "task": {"name": "clip", "args": {"data_dir": data_dir}},
+        "batch": {"global_batch_size": 32}, "train": {"num_steps": 1}, "output_dir": str(tmp_path / "out"),
+    }))
+    zero2 = os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "zero2.json")
+    rc = main(["--deepspeed_config", zero2, "--config", str(run), "--check"])
+    return rc, capsys.readouterr()
+
+
+def _tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_missing_data_folder_is_a_config_error_and_nothing_is_written(tmp_path, capsys):
+    typo = tmp_path / "shrads"
+    rc, out = _check(tmp_path, str(typo), capsys)
+    assert rc == 2 and f"task.args.data_dir: {typo} does not exist" in out.err
+    assert "train.json" in out.err and "builtin:digits" in out.err  # says what a data folder holds
+    assert not typo.exists() and not (tmp_path / "out").exists()
+    # The task itself (a run builds it the same way, on every rank) raises the same ConfigError.
+    from ds_infcl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        ClipTask(str(typo))
+    assert not typo.exists()
+
+
+def test_a_folder_without_data_or_with_missing_shards_is_a_config_error(tmp_path, capsys, digits_dir):
+    import shutil
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out = _check(tmp_path, str(empty), capsys)
+    assert rc == 2 and f"{empty} holds no train.json manifest" in out.err
+    assert _tree(empty) == []
+    not_a_dir = tmp_path / "file.tar"
+    not_a_dir.write_bytes(b"x")
+    rc, out = _check(tmp_path, str(not_a_dir), capsys)
+    assert rc == 2 and "is not a folder" in out.err
+    # A manifest whose shards are gone (a partial copy): named before anything is built.
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    manifest = json.load(open(os.path.join(digits_dir, "digits.json")))["train"]
+    (partial / "train.json").write_text(json.dumps(manifest))
+    for name in ("train-000000.tar", "train-000001.tar"):
+        shutil.copy(os.path.join(digits_dir, name), partial / name)
+    rc, out = _check(tmp_path, str(partial), capsys)
+    assert rc == 2 and "names 6 shard(s) that do not exist, first" in out.err and "train-000002.tar" in out.err
+    with pytest.raises(ValueError, match="unknown built-in data 'builtin:mnist'"):
+        ClipTask("builtin:mnist")
+
+
+def test_builtin_digits_by_name_and_check_writes_nothing(tmp_path, capsys, monkeypatch, digits_dir):
+    target = tmp_path / "cache" / "digits"
+    monkeypatch.setenv("DS_INFCL_DIGITS", str(target))
+    rc, out = _check(tmp_path, "builtin:digits", capsys)
+    assert rc == 0, out.err
+    assert "not written yet" in out.out and not (tmp_path / "cache").exists()
+    assert not (tmp_path / "out").exists()
+    # Once written (here: pointed at the module's digits), --check reads them and still writes nothing.
+    monkeypatch.setenv("DS_INFCL_DIGITS", digits_dir)
+    before = _tree(__import__("pathlib").Path(digits_dir))
+    rc, out = _check(tmp_path, "builtin:digits", capsys)
+    assert rc == 0, out.err
+    assert _tree(__import__("pathlib").Path(digits_dir)) == before
+    task = ClipTask("builtin:digits", arch="tiny")
+    assert task.train_shards.startswith(os.path.abspath(digits_dir))

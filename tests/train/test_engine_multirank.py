@@ -137,7 +137,12 @@ CLIP_TASK = ["task.name=clip", 'task.args={"data_dir": "DIGITS", "eval_batch_siz
 
 
 def _digits(jobs, out):
-    """The jobs with the CLIP task's data folder under this module's temporary directory."""
+    """The jobs with the CLIP task's data folder under this module's temporary directory (written
+    here once: the task takes built-in data only by name)."""
+    from ds_infcl.tasks.clip import ensure_digits_shards
+
+    if any("DIGITS" in x for job in jobs for x in job["set"]):
+        ensure_digits_shards(str(out / "digits"))
     for job in jobs:
         job["set"] = [x.replace("DIGITS", str(out / "digits")) for x in job["set"]]
     return jobs
