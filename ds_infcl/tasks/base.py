@@ -45,6 +45,7 @@ __all__ = [
     "tree_map",
     "check_only",
     "checking",
+    "fastclip_num_samples",
 ]
 
 
@@ -159,8 +160,10 @@ class Task:
         if loss_config.impl in available_fastclip_losses():
             from ds_infcl.loss import build_fastclip_loss
 
+            args = dict(loss_config.args)
+            args["num_samples"] = fastclip_num_samples(self, loss_config)
             return build_fastclip_loss(
-                loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **loss_config.args
+                loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **args
             )
         defaults = getattr(self, "loss_defaults", None)
         kwargs = dict(defaults()) if callable(defaults) else {}
@@ -176,6 +179,11 @@ class Task:
         self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
     ) -> Iterator[Batch]:
         raise NotImplementedError
+
+    def sample_index_bound(self) -> Optional[int]:
+        """One more than the largest global sample index ``batches`` can yield (the size of the
+        per-sample tables of FastCLIP's losses), or ``None`` when the task cannot tell."""
+        return None
 
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
         return {}
@@ -289,6 +297,36 @@ def as_batch(item: Any) -> Batch:
     if isinstance(item, dict):
         return Batch(**item)
     raise TypeError(f"a task's batches() must yield Batch objects or dicts, got {type(item).__name__}")
+
+
+def fastclip_num_samples(task: Any, loss_config) -> int:
+    """``num_samples`` of a FastCLIP loss: ``loss.args.num_samples`` checked against the task's
+    ``sample_index_bound()``, or that bound when the config leaves it out.
+
+    Raises:
+        ConfigError: the given value is below what the data's indices need (the message says which
+            value to set), or neither the config nor the task gives one.
+    """
+    from ds_infcl.errors import ConfigError
+
+    given = loss_config.args.get("num_samples")
+    bound_fn = getattr(task, "sample_index_bound", None)
+    bound = bound_fn() if callable(bound_fn) else None
+    if given is None:
+        if bound is None:
+            raise ConfigError(
+                f"loss.args.num_samples: loss.impl {loss_config.impl!r} keeps state per sample index and "
+                f"task {getattr(task, 'name', type(task).__name__)!r} cannot tell how many there are; set it "
+                "to one more than the largest global sample index of the training data"
+            )
+        return int(bound)
+    if bound is not None and given < bound:
+        raise ConfigError(
+            f"loss.args.num_samples: {given} is too small for this data: its global sample indices run up to "
+            f"{bound - 1} (they number the whole data set, held-out samples included); set "
+            f"loss.args.num_samples to {bound} or leave it out to take it from the data"
+        )
+    return int(given)
 
 
 def build_loss(task: Any, loss_config) -> nn.Module:

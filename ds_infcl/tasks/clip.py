@@ -110,6 +110,43 @@ def _read_manifest_checked(path: str) -> Dict[str, Any]:
     return manifest
 
 
+def _with_digits_bound(info: Dict[str, Any]) -> Dict[str, Any]:
+    # The digits' global index is the row of load_digits(): both splits number one data set.
+    info["index_bound"] = info["train"]["num_samples"] + info["heldout"]["num_samples"]
+    return info
+
+
+def scan_index_bound(urls) -> int:
+    """One more than the largest global sample index in the shards (the json's ``idx``, else a
+    numeric key), reading tar headers and json members only (no image is decoded)."""
+    import logging
+    import tarfile
+
+    from ds_infcl.data import expand_shard_urls
+
+    top = -1
+    for url in expand_shard_urls(urls):
+        try:
+            with tarfile.open(url) as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    key, _, ext = member.name.rpartition(".")
+                    if ext == "json":
+                        try:
+                            idx = json.loads(tar.extractfile(member).read()).get("idx")
+                            top = max(top, int(idx))
+                            continue
+                        except (ValueError, TypeError, AttributeError):
+                            pass
+                    base = os.path.basename(key)
+                    if base.isdigit():
+                        top = max(top, int(base))
+        except (OSError, tarfile.TarError) as e:
+            logging.getLogger(__name__).warning("sample index scan: skipped unreadable shard %s (%s)", url, e)
+    return top + 1
+
+
 def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
     """The data of ``data_dir``: ``{"train": manifest, "heldout"?: manifest, "class_names"?,
     "zero_shot_templates"?}`` with absolute shard patterns in ``manifest["urls"]``.
@@ -130,7 +167,7 @@ def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
                 print(f"[ds_infcl] --check: the built-in digits are not written yet; the run will write them "
                       f"to {folder}", flush=True)
                 return None
-        return ensure_digits_shards(folder, seed=seed)
+        return _with_digits_bound(ensure_digits_shards(folder, seed=seed))
     if not os.path.exists(data_dir):
         raise ConfigError(f"task.args.data_dir: {data_dir} does not exist; {_DATA_FOLDER_HELP}")
     if not os.path.isdir(data_dir):
@@ -139,7 +176,7 @@ def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
         info = read_digits_info(data_dir)
         for split in ("train", "heldout"):
             _manifest_shards(info[split], os.path.join(data_dir, "digits.json"))
-        return info
+        return _with_digits_bound(info)
     train = os.path.join(data_dir, "train.json")
     if not os.path.exists(train):
         raise ConfigError(f"task.args.data_dir: {data_dir} holds no train.json manifest; {_DATA_FOLDER_HELP}")
@@ -239,6 +276,7 @@ class ClipTask:
             if heldout_shards is None and "heldout" in info:
                 heldout_shards = info["heldout"]["urls"]
         self._unbuilt = False
+        self._index_bound: Optional[int] = info.get("index_bound")
         self.train_shards = train_shards
         self.heldout_shards = heldout_shards
         self.class_names = class_names if class_names is not None else info.get("class_names")
@@ -270,6 +308,13 @@ class ClipTask:
                                       vocab_size=vocab_size)
 
     # -- the Task interface ----------------------------------------------------------------------
+
+    def sample_index_bound(self) -> int:
+        """One more than the largest global index of the training samples (FastCLIP's table
+        size): the digits' row count, else scanned once from the shards' json members."""
+        if self._index_bound is None:
+            self._index_bound = scan_index_bound(self.train_shards)
+        return self._index_bound
 
     def build_towers(self) -> ClipModel:
         """The towers without a loss (the trainer owns the ``ContrastiveLoss``)."""

@@ -101,6 +101,9 @@ class SyntheticTask(Task):
     def loss_defaults(self) -> Dict[str, Any]:
         return {"symmetric": self.symmetric}
 
+    def sample_index_bound(self) -> Optional[int]:
+        return self.num_samples  # None: an endless stream, indices grow without bound
+
     def pairs(self, sample_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(query [n, input_dim], key [n, input_dim])`` for the given global sample indices."""
         rows_z, rows_e = [], []

@@ -71,7 +71,7 @@ class LossConfig:
     """``loss``: the ``ContrastiveLoss`` module (it owns the learnable logit scale). ``None`` means
     the task's default (CLIP is symmetric with a learnable scale, retrieval one-directional with
     a fixed scale of 20). ``impl`` may also name a FastCLIP loss (``fastclip_v0`` .. ``fastclip_v3``,
-    ``sogclr``, ``isogclr``): ``FastCLIPLoss`` built with ``args`` (``num_samples`` required,
+    ``sogclr``, ``isogclr``): ``FastCLIPLoss`` built with ``args`` (``num_samples`` from the task's data when it can tell,
     e.g. ``steps_per_epoch``); ``args`` is only used by those. ``impl: siglip`` is SigLIP's sigmoid
     loss (``SigLIPLoss``: learnable scale and bias, init ``log 10`` and ``init_logit_bias`` -10;
     ``learnable_scale: false`` fixes both; ``symmetric`` does not apply)."""
@@ -312,11 +312,9 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.loss.impl != "siglip" and cfg.loss.init_logit_bias is not None:
         raise ConfigError(f"loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is {cfg.loss.impl!r}")
     if cfg.loss.impl in fastclip:
-        if "num_samples" not in cfg.loss.args:
-            raise ConfigError(
-                f"loss.args.num_samples: required by loss.impl {cfg.loss.impl!r} (the size of the data "
-                "set: FastCLIP keeps state per sample index)"
-            )
+        n = cfg.loss.args.get("num_samples")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"loss.args.num_samples: must be an integer >= 1, got {n!r}")
     elif cfg.loss.args:
         raise ConfigError(
             f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"

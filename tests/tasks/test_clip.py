@@ -227,3 +227,30 @@ def test_builtin_digits_by_name_and_check_writes_nothing(tmp_path, capsys, monke
     assert _tree(__import__("pathlib").Path(digits_dir)) == before
     task = ClipTask("builtin:digits", arch="tiny")
     assert task.train_shards.startswith(os.path.abspath(digits_dir))
+
+
+def test_fastclip_num_samples_comes_from_the_data(tmp_path, capsys, digits_dir):
+    # Issue 13, item 8: the training-set size the demo prints (1,438) was accepted by --check and
+    # then failed on every rank at step 1 (the digits' indices number all 1,797 rows). Now --check
+    # names the value to set, and leaving it out takes it from the data.
+    from ds_infcl.train.cli import main
+    from ds_infcl.train.config import LossConfig
+    from ds_infcl.tasks.base import fastclip_num_samples
+    from ds_infcl.tasks.clip import scan_index_bound
+
+    run = tmp_path / "run.json"
+    cfg = {"task": {"name": "clip", "args": {"data_dir": digits_dir}}, "loss": {"impl": "fastclip_v3",
+           "args": {"num_samples": 1438}}, "batch": {"global_batch_size": 32}, "train": {"num_steps": 1}}
+    run.write_text(json.dumps(cfg))
+    zero2 = os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "zero2.json")
+    assert main(["--deepspeed_config", zero2, "--config", str(run), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "loss.args.num_samples: 1438 is too small" in err and "set loss.args.num_samples to 1797" in err
+    del cfg["loss"]["args"]
+    run.write_text(json.dumps(cfg))
+    assert main(["--deepspeed_config", zero2, "--config", str(run), "--check"]) == 0
+    task = ClipTask(digits_dir, arch="tiny")
+    assert fastclip_num_samples(task, LossConfig(impl="fastclip_v3")) == 1797
+    # Without the digits' own record the bound is read from the shards' json once (no decoding).
+    assert scan_index_bound(task.train_shards) == 1797  # row 1796 is a training sample of the split
+    assert 1438 < scan_index_bound(task.heldout_shards) <= 1797

@@ -53,10 +53,21 @@ def test_run_config_errors_name_the_key(sections, match):
         _cfg(**sections)
 
 
-def test_fastclip_loss_needs_num_samples():
-    pytest.importorskip("ds_infcl.loss.fastclip")
-    with pytest.raises(ConfigError, match=r"loss.args.num_samples: required by loss.impl 'fastclip_v3'"):
-        _cfg(loss={"impl": "fastclip_v3"})
+def test_fastclip_num_samples_from_the_task_or_the_config():
+    # Issue 13, item 8: num_samples may be left out when the task can tell (its sample index
+    # bound); a task that cannot (an endless stream) needs it; a bad value is refused at load.
+    from ds_infcl.tasks.base import build_loss, fastclip_num_samples
+
+    with pytest.raises(ConfigError, match=r"loss.args.num_samples: must be an integer >= 1"):
+        _cfg(loss={"impl": "fastclip_v3", "args": {"num_samples": 0}})
+    cfg = _cfg(loss={"impl": "fastclip_v3"})
+    assert fastclip_num_samples(SyntheticTask(num_samples=40), cfg.loss) == 40
+    assert build_loss(SyntheticTask(num_samples=40), cfg.loss).num_samples == 40
+    with pytest.raises(ConfigError, match=r"task 'synthetic' cannot tell how many there are"):
+        build_loss(SyntheticTask(), cfg.loss)
+    small = _cfg(loss={"impl": "fastclip_v3", "args": {"num_samples": 30}})
+    with pytest.raises(ConfigError, match=r"num_samples: 30 is too small .* up to 39 .* set loss.args.num_samples to 40"):
+        build_loss(SyntheticTask(num_samples=40), small.loss)
     assert _cfg(loss={"impl": "fastclip_v3", "args": {"num_samples": 100}}).loss.args == {"num_samples": 100}
 
 
