@@ -101,6 +101,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 -- only communication failures are reworded
+        from ds_infcl.train.dist import is_comm_failure
+
+        if not is_comm_failure(e):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(f"[ds_infcl] rank {rank}: lost contact with the other ranks (a peer process died, hung longer "
+              f"than dist.timeout_s={cfg.dist.timeout_s} s, or the network failed); ending this rank. "
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
+        return 1
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         from ds_infcl.train.metrics import format_metrics

@@ -43,6 +43,7 @@ __all__ = [
     "EvalConfig",
     "LoggingConfig",
     "CheckpointConfig",
+    "DistConfig",
     "RunConfig",
     "load_run_config",
     "run_config_from_dict",
@@ -152,6 +153,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistConfig:
+    """``dist``: the process group. ``timeout_s`` bounds how long a rank waits in a collective for
+    a peer that stopped answering (a hung or partitioned process) before the run ends with an
+    error naming the failure (default 1800 s, torch's own default; a dead peer is usually seen at
+    once). Set it above the longest wait of your run: a checkpoint write, an evaluation."""
+
+    timeout_s: int = 1800
+
+
+@dataclass
 class RunConfig:
     """The whole run config; see the module docstring."""
 
@@ -163,6 +174,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     output_dir: str = "runs/default"
 
     def to_dict(self) -> Dict[str, Any]:
@@ -184,6 +196,7 @@ _SECTIONS = {
     "eval": EvalConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
+    "dist": DistConfig,
 }
 
 
@@ -330,6 +343,7 @@ def _validate(cfg: RunConfig) -> None:
             f"loss.init_logit_scale: {cfg.loss.init_logit_scale} exceeds loss.max_logit_scale "
             f"{cfg.loss.max_logit_scale}"
         )
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
     _positive("batch.global_batch_size", cfg.batch.global_batch_size)
     _positive("batch.chunk_size", cfg.batch.chunk_size)
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:

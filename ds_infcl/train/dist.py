@@ -11,6 +11,7 @@ import importlib
 import os
 import socket
 import sys
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,8 @@ __all__ = [
     "skip_cpu_shm_op_build",
     "ensure_single_process_env",
     "init_distributed",
+    "is_comm_failure",
+    "ProgressWatchdog",
     "local_device",
     "free_port",
     "shutdown",
@@ -68,17 +71,38 @@ def ensure_single_process_env() -> bool:
     return True
 
 
-def init_distributed() -> None:
-    """Initialize ``deepspeed.comm`` once per process (gloo on CPU, NCCL on CUDA)."""
+def init_distributed(timeout_s: Optional[float] = None) -> None:
+    """Initialize ``deepspeed.comm`` once per process (gloo on CPU, NCCL on CUDA); ``timeout_s``
+    bounds every collective's wait for a peer (``dist.timeout_s`` of the run config)."""
+    from datetime import timedelta
+
     import deepspeed
     import torch.distributed as dist
 
     skip_cpu_shm_op_build()
     ensure_single_process_env()
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    # NCCL: let a timed-out collective raise in the process instead of hanging it.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=False)
+        deepspeed.init_distributed(verbose=False, **kwargs)
     elif getattr(deepspeed.comm, "cdb", None) is None:
-        deepspeed.init_distributed(verbose=False)
+        deepspeed.init_distributed(verbose=False, **kwargs)
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """True for the errors a collective raises when a peer died, hung past the timeout or the
+    network failed (gloo, NCCL, the TCP store)."""
+    import torch.distributed as dist
+
+    error_types = tuple(t for t in (getattr(dist, "DistError", None),) if t is not None)
+    if error_types and isinstance(exc, error_types):
+        return True
+    text = str(exc)
+    markers = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+               "timed out", "NCCL error", "ncclRemoteError", "ProcessGroupGloo", "ProcessGroupNCCL",
+               "Socket Timeout", "connection refused")
+    return isinstance(exc, RuntimeError) and any(m in text for m in markers)
 
 
 def local_device() -> torch.device:
@@ -125,3 +149,44 @@ def shutdown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+class ProgressWatchdog:
+    """Ends this process when the run makes no progress for ``timeout_s`` seconds.
+
+    A collective waiting for a peer that hung (stopped, deadlocked, partitioned) may wait far
+    longer than the process group's timeout (groups DeepSpeed creates keep torch's default, and
+    NCCL only notices through its watchdog). The loop calls ``beat()`` after every step, evaluation
+    and checkpoint; a daemon thread prints one line naming this rank and the timeout, then leaves
+    with status 1 (``os._exit``: no interpreter shutdown that could wait on the hung collective),
+    and the launcher ends the other local ranks.
+    """
+
+    def __init__(self, timeout_s: float, rank: int, what: str = "dist.timeout_s"):
+        import threading
+        import time
+
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.what = what
+        self._time = time.monotonic
+        self._last = self._time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ds_infcl-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = self._time()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = max(0.2, min(5.0, self.timeout_s / 8))
+        while not self._stop.wait(period):
+            idle = self._time() - self._last
+            if idle > self.timeout_s:
+                print(f"[ds_infcl] rank {self.rank}: lost contact with the other ranks: no step finished for "
+                      f"{idle:.0f} s ({self.what}={self.timeout_s:g} s); a peer process died or hung, or the "
+                      "network failed; ending this rank", file=sys.stderr, flush=True)
+                os._exit(1)

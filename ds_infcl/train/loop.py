@@ -16,10 +16,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_infcl.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from ds_infcl.train.checkpoint import check_world_size, load_checkpoint, resolve_resume, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
-from ds_infcl.train.dist import accelerator_name, init_distributed, local_device
+from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
 from ds_infcl.train.model import ContrastiveModel
 from ds_infcl.train.optim import prepare_optimizer
@@ -150,7 +150,7 @@ def train(
     import deepspeed.comm as dist
 
     t_start = time.time()
-    init_distributed()
+    init_distributed(cfg.dist.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device()
     accel = accelerator_name()
@@ -182,6 +182,8 @@ def train(
     if resume:
         found = resolve_resume(resume, cfg.checkpoint_dir)
         if found is not None:
+            check_world_size(found[0], found[1], world, int(engine.zero_optimization_stage()),
+                             layout.global_batch_size)
             state = load_checkpoint(engine, found[0], found[1], device)
             _check_same_schedule(state, ds_cfg, f"{found[0]}/{found[1]}")
             resumed = True
@@ -225,6 +227,8 @@ def train(
     train_time, timed_samples = 0.0, 0
     step = start_step
     engine.train()
+    watchdog = ProgressWatchdog(cfg.dist.timeout_s, rank) if world > 1 else None
+    beat = watchdog.beat if watchdog is not None else (lambda: None)
     while step < cfg.train.num_steps:
         lrs = engine.get_lr()
         lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
@@ -248,6 +252,7 @@ def train(
         if step > start_step + 1 or step == cfg.train.num_steps:  # the first step includes warm-up
             train_time += dt
             timed_samples += layout.global_batch_size
+        beat()
         losses.append(result.loss)
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"step {step}: loss is {result.loss}; stopping (lower the learning rate, check fp16 scaling)")
@@ -268,21 +273,24 @@ def train(
             engine.eval()
             eval_metrics = task.evaluate(encoder, step) if hasattr(task, "evaluate") else {}
             engine.train()
+            beat()
             logger.log_eval(step, eval_metrics)
 
         if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
             run_state = {
                 "step": step, "samples": samples,
                 "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
-                "world_size": world, "run_config": cfg.to_dict(),
+                "world_size": world, "global_batch_size": layout.global_batch_size, "run_config": cfg.to_dict(),
                 "scheduler": ds_cfg.get("scheduler"),
             }
             tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
+            beat()
             if not cfg.logging.progress_bar:
                 _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
 
     logger.close()
     final_scale = _logit_scale(engine)
+    beat()
     if save_params:
         _save_params(engine, save_params, rank)
     if cfg.checkpoint.export_final and callable(getattr(task, "save_pretrained", None)):
@@ -299,6 +307,8 @@ def train(
     if rank == 0:
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary.__dict__, f, indent=2)
+    if watchdog is not None:
+        watchdog.stop()
     if hasattr(engine, "destroy"):
         engine.destroy()
     return summary
