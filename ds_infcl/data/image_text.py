@@ -3,10 +3,10 @@ bad samples), batch.
 
 Stream of one reader (a rank's DataLoader worker; with ``num_workers=0`` the rank itself)::
 
-    shard list (brace patterns)                       expand_shard_urls
+    shard list and sizes (folder, brace patterns)     resolve_shards
       -> this reader's shards, epoch by epoch          split="shard": shards[slot::num_slots]
          (or shards drawn with replacement)            resampled=True
-      -> tar members grouped into samples              webdataset's tarfile_samples
+      -> tar members grouped into samples              shards.iter_shard_samples (damage counted)
       -> this reader's samples                         split="sample": position % num_slots
       -> shuffle buffer                                shuffle_buffer
       -> decode image + caption + index                bad samples skipped and counted
@@ -18,6 +18,16 @@ every reader reads every shard and keeps every ``num_slots``-th sample (for data
 shards than readers). Either way an epoch covers each sample exactly once over all readers, no
 duplicates, no gaps, and the assignment does not depend on which samples fail to decode.
 
+Nothing is lost silently: a sample that cannot be decoded is skipped and counted by its reason
+(``bad_image``, ``bad_json``, ``bad_caption``, ``missing_caption``, ``missing_image``); a damaged
+shard (truncated, not a tar, a member cut short) is read up to the damage and the samples it cost
+are counted: exactly (``lost_in_bad_shard``: the shard's known size minus the samples that came
+out of it) when ``sizes.json`` or the manifest gives its size, else as one ``bad_tar`` with a
+warning that says the number lost is unknown. A shard that reads cleanly but holds fewer samples
+than its size says counts the difference as ``missing_from_shard``; a final partial batch that
+``drop_last`` drops counts as ``dropped_last_batch``. So over one epoch of all readers,
+``samples yielded + sum of the counts == samples in the shards`` whenever the sizes are known.
+
 Batches are dicts::
 
     image        float32 [n, 3, H, W]   from ``image_transform``
@@ -25,7 +35,7 @@ Batches are dicts::
     idx          int64 [n]              stable global sample index (-1 where the shard has none)
     label        int64 [n]              json "label" where present, else -1
     input_ids, attention_mask, ...      what ``tokenizer(text)`` returns, when one is given
-    bad_samples  {reason: count}        this reader's running count of skipped samples
+    bad_samples  {reason: count}        this reader's running count of skipped or lost samples
     reader       int                    the reader's slot
 
 ``BadSampleTally`` sums the running counts of all readers of a rank from the batches it sees
@@ -39,49 +49,84 @@ import io
 import json
 import logging
 import random
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ds_infcl.data.shards import (
+    SAMPLE_IMAGE_EXTS,
+    ShardList,
+    ShardReport,
+    expand_shard_source,
+    iter_shard_samples,
+    resolve_shards,
+)
 
 __all__ = ["expand_shard_urls", "read_captions", "ImageTextShards", "BadSampleTally", "image_text_loader"]
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+IMAGE_KEYS = SAMPLE_IMAGE_EXTS
 SPLITS = ("shard", "sample")
 
 
-def expand_shard_urls(urls: Union[str, Sequence[str]]) -> List[str]:
-    """Expand brace patterns: ``"a-{000..002}.tar::b.tar"`` or a list of such strings."""
-    from webdataset.shardlists import expand_urls
+def expand_shard_urls(urls: Union[str, Sequence[str], ShardList]) -> List[str]:
+    """The shard list of a shard source: folders (every ``*.tar`` in them, sorted), brace
+    patterns (``"a-{000..002}.tar::b.tar"``), or a list of those. Files are not checked for
+    existence (``resolve_shards`` checks them and adds the sample counts).
 
-    if isinstance(urls, str):
-        urls = [urls]
-    result: List[str] = []
-    for u in urls:
-        result.extend(expand_urls(str(u)))
-    if not result:
-        raise ValueError(f"no shards in {urls!r}")
-    return result
+    Raises:
+        ValueError: an empty source, or a folder without ``.tar`` files.
+    """
+    return expand_shard_source(urls, check=False)
 
 
-def read_captions(urls: Union[str, Sequence[str]], caption_key: str = "txt") -> List[str]:
+def read_captions(
+    urls: Union[str, Sequence[str], ShardList],
+    caption_key: str = "txt",
+    *,
+    damaged: Optional[List[ShardReport]] = None,
+) -> List[str]:
     """All captions of the shards, in shard order, without decoding images (to train a
-    tokenizer). Unreadable members are skipped."""
-    import tarfile
+    tokenizer): the ``caption_key`` member, else the json's ``caption`` (as ``ImageTextShards``
+    reads them).
 
+    A damaged shard (not a tar, truncated, a member cut short) is read up to the damage and the
+    rest of it skipped, with a warning naming the shard and the byte offset; its report is
+    appended to ``damaged`` when a list is given. A caption that is not UTF-8 is skipped.
+
+    Raises:
+        ValueError: the source names shards or folders that do not exist (``resolve_shards``).
+    """
     captions: List[str] = []
-    suffix = "." + caption_key
-    for url in expand_shard_urls(urls):
-        with tarfile.open(url) as tar:
-            for member in tar:
-                if member.isfile() and member.name.endswith(suffix):
-                    try:
-                        captions.append(tar.extractfile(member).read().decode("utf-8").strip())
-                    except (OSError, UnicodeDecodeError, tarfile.TarError):
-                        continue
+    for url in expand_shard_source(urls, check=True):
+        report = ShardReport(url)
+        for sample in iter_shard_samples(url, report, read=(caption_key, "json")):
+            caption = _caption(sample, caption_key)
+            if caption is not None:
+                captions.append(caption)
+        if report.damaged:
+            logger.warning("read_captions: skipped the rest of the damaged shard %s (%d samples read before it)",
+                           report.where(), report.num_samples)
+            if damaged is not None:
+                damaged.append(report)
     return captions
+
+
+def _caption(sample: Dict[str, Any], caption_key: str) -> Optional[str]:
+    """The caption of a raw sample (``caption_key`` member, else json ``caption``), ``None`` if
+    it has none or it cannot be decoded."""
+    try:
+        if sample.get(caption_key) is not None:
+            return sample[caption_key].decode("utf-8").strip()
+        if sample.get("json") is not None:
+            meta = json.loads(sample["json"])
+            if isinstance(meta, dict) and isinstance(meta.get("caption"), str):
+                return meta["caption"].strip()
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return None
 
 
 def _as_int(value: Any) -> int:
@@ -101,8 +146,11 @@ class ImageTextShards(IterableDataset):
     """Image + caption batches from webdataset shards, for one rank (and its DataLoader workers).
 
     Args:
-        urls: shard URLs or brace patterns (``"/data/train-{000000..000099}.tar"``, several
-            joined by ``::`` or in a list).
+        urls: a shard source: a folder of ``.tar`` shards, brace patterns
+            (``"/data/train-{000000..000099}.tar"``, several joined by ``::``), a list of those,
+            or a ``ShardList`` from ``resolve_shards`` (which brings counted sizes). The
+            shards' sample counts come from ``sizes.json`` or the manifest when present (never
+            counted here); with them, samples lost in a damaged shard are counted exactly.
         image_transform: ``PIL.Image -> tensor [3, H, W]`` (see ``ImageTransform``).
         batch_size: samples per batch (per rank).
         tokenizer: optional ``list[str] -> dict of tensors`` merged into each batch.
@@ -114,14 +162,16 @@ class ImageTextShards(IterableDataset):
         repeat: endless stream, epoch after epoch (each epoch a new shard permutation).
         resampled: endless stream of shards drawn with replacement, independently per reader
             (OpenCLIP's ``--dataset-resampled``); ignores ``split`` and ``shuffle_shards``.
-        drop_last: drop a final partial batch of a finite stream.
+        drop_last: drop a final partial batch of a finite stream (counted as
+            ``dropped_last_batch``).
         seed: base seed of the shard permutation, the shuffle buffer and the resampling.
         epoch: epoch of the next iteration (``set_epoch``), as with ``DistributedSampler``.
         caption_key: tar member holding the caption (``txt``); without it the json's
             ``caption`` field is used.
 
     Raises:
-        ValueError: unknown ``split``, a rank with no shard in ``split="shard"`` mode.
+        ValueError: unknown ``split``, a rank with no shard in ``split="shard"`` mode, a shard
+            source naming folders or files that do not exist.
     """
 
     def __init__(
@@ -150,7 +200,10 @@ class ImageTextShards(IterableDataset):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.urls = expand_shard_urls(urls)
+        shards = resolve_shards(urls, count=False)
+        self.urls = list(shards.urls)
+        # samples per shard where known: what lets a damaged shard's loss be counted exactly
+        self.shard_sizes: Dict[str, int] = {u: n for u, n in zip(shards.urls, shards.sizes) if n is not None}
         if split == "shard" and not resampled and len(self.urls) < world_size:
             raise ValueError(
                 f"{len(self.urls)} shards cannot feed {world_size} ranks with split='shard' "
@@ -210,27 +263,70 @@ class ImageTextShards(IterableDataset):
                 return
             epoch += 1
 
+    def _add(self, reason: str, n: int = 1) -> None:
+        if n > 0:
+            self.bad_samples[reason] = self.bad_samples.get(reason, 0) + n
+
     def _count(self, reason: str, detail: Any = None) -> None:
-        self.bad_samples[reason] = self.bad_samples.get(reason, 0) + 1
+        self._add(reason)
         n = sum(self.bad_samples.values())
         if n <= 10 or n & (n - 1) == 0:  # log the first few, then at powers of two
             logger.warning("skipped a bad sample (%s): %s [%d skipped so far]", reason, detail, n)
 
-    def _tar_handler(self, exn: Exception) -> bool:
-        self._count("bad_tar", repr(exn)[:200])
-        return True
+    def _shard_loss(self, report: ShardReport) -> Tuple[str, int, Optional[str]]:
+        """``(reason, n, message)``: the samples of a finished shard that never came out of it
+        (all readers together), ``n = 0`` when none; ``message`` is ``None`` when all is well."""
+        expected = self.shard_sizes.get(report.url)
+        if expected is None:
+            if not report.damaged:
+                return "", 0, None
+            return "bad_tar", 1, (
+                f"damaged shard {report.where()}: skipped the rest of it after {report.num_samples} samples; "
+                f"the number of samples lost is unknown (no sizes.json or manifest gives the shard's size), "
+                f"counted as 1 bad_tar"
+            )
+        missing = expected - report.num_samples
+        if report.damaged:
+            return "lost_in_bad_shard", max(missing, 0), (
+                f"damaged shard {report.where()}: {report.num_samples} of its {expected} samples read, "
+                f"{max(missing, 0)} lost (counted as lost_in_bad_shard)"
+            )
+        if missing > 0:
+            return "missing_from_shard", missing, (
+                f"shard {report.url} holds {report.num_samples} samples but its size is {expected}: "
+                f"{missing} counted as missing_from_shard (a stale sizes.json or manifest?)"
+            )
+        if missing < 0:
+            return "", 0, (
+                f"shard {report.url} holds {report.num_samples} samples, more than its size {expected} "
+                f"(a stale sizes.json or manifest?)"
+            )
+        return "", 0, None
 
     def _samples(self, slot: int, num_slots: int) -> Iterator[Dict[str, Any]]:
-        from webdataset.tariterators import tarfile_samples
-
-        samples = tarfile_samples(self._shard_stream(slot, num_slots), handler=self._tar_handler)
-        if self.split == "sample" and not self.resampled:
-            # Every reader sees the same stream; positions partition it (across epochs too).
-            for position, sample in enumerate(samples):
-                if position % num_slots == slot:
-                    yield sample
-            return
-        yield from samples
+        sample_split = self.split == "sample" and not self.resampled
+        position = 0  # sample split: every reader sees the same stream; positions partition it
+        for shard in self._shard_stream(slot, num_slots):
+            report = ShardReport(shard["url"])
+            for sample in iter_shard_samples(shard["url"], report, sample_exts=IMAGE_KEYS):
+                if sample_split:
+                    position += 1
+                    if (position - 1) % num_slots != slot:
+                        continue
+                yield sample
+            reason, lost, message = self._shard_loss(report)
+            if sample_split:
+                # The lost samples take the positions they would have had: each reader counts
+                # its share, so the readers' counts add up to the loss (and later shards keep
+                # their partition).
+                mine = len(range(position + (slot - position) % num_slots, position + lost, num_slots))
+                position += lost
+                if message is not None and slot == 0:
+                    logger.warning("%s [every reader reads this shard; each counts its share]", message)
+                lost = mine
+            elif message is not None:
+                logger.warning("%s", message)
+            self._add(reason, lost)
 
     def _shuffled(self, samples: Iterator, slot: int) -> Iterator:
         if self.shuffle_buffer <= 1:
@@ -325,6 +421,8 @@ class ImageTextShards(IterableDataset):
             if pending is not None:
                 yield pending
             pending = self.collate(items, slot)
+        elif items:
+            self._add("dropped_last_batch", len(items))
         if pending is not None:
             pending["bad_samples"] = dict(self.bad_samples)
             yield pending

@@ -45,7 +45,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from torch.utils.data import Sampler
 
-from ds_infcl.data.shards import brace_pattern, sample_key
+from ds_infcl.data.shards import ShardReport, brace_pattern, expand_shard_source, iter_shard_samples
+from ds_infcl.data.shards import known_shard_sizes, sample_key
 
 __all__ = [
     "RetrievalExample",
@@ -87,8 +88,9 @@ class MalformedTally:
         self.where: List[str] = []
         self.max_locations = max_locations
 
-    def add(self, reason: str, location: str) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
+    def add(self, reason: str, location: str, n: int = 1) -> None:
+        """Count ``n`` records skipped for ``reason`` at ``location``."""
+        self.counts[reason] = self.counts.get(reason, 0) + n
         if len(self.where) < self.max_locations:
             self.where.append(location)
 
@@ -157,9 +159,10 @@ def _as_paths(paths: PathOrPaths) -> List[str]:
     return [os.fspath(p) for p in paths]
 
 
-def _report(tally: MalformedTally, reason: str, location: str) -> None:
-    tally.add(reason, location)
-    warnings.warn(f"skipping malformed retrieval record at {location}: {reason}", stacklevel=3)
+def _report(tally: MalformedTally, reason: str, location: str, n: int = 1) -> None:
+    tally.add(reason, location, n)
+    what = "malformed retrieval record" if n == 1 else f"{n} retrieval records"
+    warnings.warn(f"skipping {what} at {location}: {reason}", stacklevel=3)
 
 
 def iter_retrieval_jsonl(
@@ -256,51 +259,49 @@ def write_retrieval_shards(
 def iter_retrieval_shards(
     urls: PathOrPaths, *, tally: Optional[MalformedTally] = None, strict: bool = False
 ) -> Iterator[RetrievalExample]:
-    """Stream examples from retrieval shards (paths or brace patterns) through webdataset.
+    """Stream examples from retrieval shards (paths, brace patterns or folders of ``.tar``).
 
     A sample with no ``.json`` member, undecodable JSON or a malformed record is skipped with a
-    warning naming ``shard:key`` and counted in ``tally``; a shard that cannot be read is
-    reported the same way (reason ``unreadable shard``) and the stream continues.
+    warning naming ``shard:key`` and counted in ``tally``. A damaged shard (not a tar, truncated,
+    a member cut short) is read up to the damage and the rest skipped with a warning naming the
+    shard and the byte offset: when its manifest gives the shard's size, the examples lost are
+    counted exactly (reason ``lost in damaged shard``), else once (reason ``unreadable shard``;
+    the number lost is unknown). ``strict=True`` raises ``ValueError`` instead.
     """
-    import braceexpand
-    import webdataset as wds
-
     tally = tally if tally is not None else MalformedTally()
-    shard_list: List[str] = []
-    for u in _as_paths(urls):
-        shard_list.extend(braceexpand.braceexpand(u))
+    shard_list = expand_shard_source(_as_paths(urls), check=False)
+    sizes = dict(zip(shard_list, known_shard_sizes(shard_list)[0]))
     for shard in shard_list:
-        opened: List[Dict[str, Any]] = []
-        try:
-            opened = list(wds.tariterators.url_opener([{"url": shard}]))
-            stream = wds.tariterators.tar_file_expander(opened, eof_value=None)
-            samples = wds.tariterators.group_by_keys(stream)
-            for sample in samples:
-                key = sample.get("__key__", "?")
-                location = f"{shard}:{key}"
-                raw = sample.get("json")
-                if raw is None:
-                    if strict:
-                        raise ValueError(f"malformed retrieval sample at {location}: no .json member")
-                    _report(tally, "no .json member", location)
-                    continue
-                try:
-                    ex = parse_retrieval_record(json.loads(raw.decode("utf-8")))
-                except (ValueError, UnicodeDecodeError) as e:
-                    if strict:
-                        raise ValueError(f"malformed retrieval sample at {location}: {e}") from None
-                    reason = "invalid JSON" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e)
-                    _report(tally, reason, location)
-                    continue
-                ex.source = location
-                yield ex
-        except (OSError, tarfile.TarError) as e:
+        report = ShardReport(shard)
+        for sample in iter_shard_samples(shard, report, sample_exts=("json",)):
+            key = sample.get("__key__", "?")
+            location = f"{shard}:{key}"
+            raw = sample.get("json")
+            if raw is None:
+                if strict:
+                    raise ValueError(f"malformed retrieval sample at {location}: no .json member")
+                _report(tally, "no .json member", location)
+                continue
+            try:
+                ex = parse_retrieval_record(json.loads(raw.decode("utf-8")))
+            except (ValueError, UnicodeDecodeError) as e:
+                if strict:
+                    raise ValueError(f"malformed retrieval sample at {location}: {e}") from None
+                reason = "invalid JSON" if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e)
+                _report(tally, reason, location)
+                continue
+            ex.source = location
+            yield ex
+        if report.damaged:
             if strict:
-                raise
-            _report(tally, "unreadable shard", f"{shard} ({e})")
-        finally:
-            for o in opened:
-                o["stream"].close()
+                raise ValueError(f"damaged retrieval shard {report.where()}")
+            expected = sizes.get(shard)
+            if expected is None:
+                _report(tally, "unreadable shard", f"{report.where()}; the number of examples lost is unknown")
+            else:
+                lost = max(expected - report.num_samples, 0)
+                _report(tally, "lost in damaged shard",
+                        f"{report.where()}; {report.num_samples} of its {expected} examples read", lost)
 
 
 def example_texts(ex: RetrievalExample) -> Tuple[str, ...]:
