@@ -21,6 +21,9 @@ The global no-duplicate sampler (:class:`GlobalNoDuplicatesBatchSampler`) forms 
 *global* batch so that no text occurs twice in it across all ranks, then gives each rank its
 contiguous share; sentence-transformers' ``NoDuplicatesBatchSampler`` only looks at one rank's
 batch, so two ranks may still hold the same positive (a false negative for the ring's loss).
+Examples that cannot be placed without a repeat are deferred, not dropped: by default they fill
+the epoch's last batches (``duplicates="defer"``), and what an epoch leaves out is counted
+(``sampler.unused``, ``sampler.duplicate_batches``).
 
 Converter CLI::
 
@@ -40,6 +43,7 @@ import random
 import tarfile
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -309,8 +313,12 @@ def example_texts(ex: RetrievalExample) -> Tuple[str, ...]:
     return (ex.query, *ex.pos, *ex.neg)
 
 
+DUPLICATES = ("defer", "allow", "drop")
+
+
 class GlobalNoDuplicatesBatchSampler(Sampler):
-    """Batches whose *global* batch (all ranks together) holds no text twice.
+    """Batches whose *global* batch (all ranks together) holds no text twice, as far as the data
+    allows, and that use every example of an epoch but a final partial global batch.
 
     For each step the sampler fills a global batch of ``global_batch_size`` example indices from a
     seeded permutation, skipping (and keeping for a later batch) any example that shares a text
@@ -318,6 +326,21 @@ class GlobalNoDuplicatesBatchSampler(Sampler):
     ``global_batch_size // world_size`` indices. All ranks compute the same global batches, so no
     communication is needed. An example whose own texts repeat (e.g. a negative equal to its
     positive) is accepted on its own; the loss masks that case.
+
+    When what is left of the epoch no longer yields a full batch without a repeated text (many
+    examples sharing one positive, say), ``duplicates`` decides:
+
+    - ``"defer"`` (default): the left-over examples still go into batches: each batch takes as
+      many examples as fit without a repeat, then is topped up with the deferred ones, whose
+      repeated texts the loss's false-negative masking handles. Only a final global batch
+      smaller than ``global_batch_size`` can be dropped (``drop_last``).
+    - ``"allow"``: no de-duplication at all: the permutation cut into global batches.
+    - ``"drop"``: the strict rule of earlier versions: the epoch ends at the first batch that
+      cannot be filled without a repeat (``drop_last=False``: partial batches without repeats).
+
+    What an epoch leaves out is counted: ``unused`` (examples in no batch) and
+    ``duplicate_batches`` (batches holding a text in two examples), for the current epoch, the
+    same on every rank. ``len(sampler)`` is the exact number of batches.
 
     Args:
         texts: per example, the texts that must not repeat in a global batch (see
@@ -327,6 +350,12 @@ class GlobalNoDuplicatesBatchSampler(Sampler):
         seed: permutation seed; ``set_epoch(e)`` reshuffles deterministically.
         drop_last: drop a last global batch that could not be filled (default True: every
             rank must get the same number of examples at every step).
+        duplicates: ``"defer"``, ``"allow"`` or ``"drop"`` (above).
+
+    Raises:
+        ValueError: ``global_batch_size`` below 1 or not divisible by ``world_size``, a rank
+            outside ``[0, world_size)``, an unknown ``duplicates``.
+
     """
 
     def __init__(
@@ -338,6 +367,7 @@ class GlobalNoDuplicatesBatchSampler(Sampler):
         rank: int = 0,
         seed: int = 0,
         drop_last: bool = True,
+        duplicates: str = "defer",
     ):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -347,52 +377,91 @@ class GlobalNoDuplicatesBatchSampler(Sampler):
             raise ValueError(
                 f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}"
             )
+        if duplicates not in DUPLICATES:
+            raise ValueError(f"duplicates must be one of {DUPLICATES}, got {duplicates!r}")
         self.texts = [tuple(t) for t in texts]
+        self._text_sets = [frozenset(t) for t in self.texts]
         self.global_batch_size = global_batch_size
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
         self.drop_last = drop_last
+        self.duplicates = duplicates
         self.epoch = 0
+        self._plan: Optional[Tuple[int, List[List[int]], int]] = None  # (epoch, batches, unused)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def global_batches(self) -> List[List[int]]:
-        """The global batches of the current epoch (the same on every rank)."""
+    def _epoch_plan(self) -> Tuple[List[List[int]], int]:
+        if self._plan is None or self._plan[0] != self.epoch:
+            batches, unused = self._make_batches()
+            self._plan = (self.epoch, batches, unused)
+        return self._plan[1], self._plan[2]
+
+    def _make_batches(self) -> Tuple[List[List[int]], int]:
         order = list(range(len(self.texts)))
         random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
-        batches: List[List[int]] = []
-        remaining = order
-        while remaining:
-            batch: List[int] = []
-            seen: set = set()
-            deferred: List[int] = []
-            for pos, i in enumerate(remaining):
-                texts = set(self.texts[i])
-                if texts & seen:
-                    deferred.append(i)
-                    continue
-                batch.append(i)
-                seen |= texts
-                if len(batch) == self.global_batch_size:
-                    deferred.extend(remaining[pos + 1 :])
-                    break
-            if len(batch) < self.global_batch_size and self.drop_last:
-                break
-            batches.append(batch)
-            remaining = deferred
-        return batches
+        size = self.global_batch_size
+        if self.duplicates == "allow":
+            batches = [order[s : s + size] for s in range(0, len(order), size)]
+        else:
+            batches = []
+            remaining = deque(order)  # deferred examples first (in the order met), then unseen ones
+            while remaining:
+                # Fill greedily; an example sharing a text with the batch is deferred.
+                batch: List[int] = []
+                seen: set = set()
+                skipped: List[int] = []
+                while remaining and len(batch) < size:
+                    i = remaining.popleft()
+                    if self._text_sets[i] & seen:
+                        skipped.append(i)
+                    else:
+                        batch.append(i)
+                        seen |= self._text_sets[i]
+                remaining.extendleft(reversed(skipped))
+                if len(batch) < size and self.duplicates == "defer":
+                    # no full batch without a repeat is left: top up with deferred examples
+                    while remaining and len(batch) < size:
+                        batch.append(remaining.popleft())
+                if len(batch) < size and self.duplicates == "drop" and self.drop_last:
+                    return batches, len(batch) + len(remaining)
+                batches.append(batch)
+        unused = 0
+        if batches and len(batches[-1]) < size and self.drop_last:
+            unused = len(batches.pop())
+        return batches, unused
+
+    def global_batches(self) -> List[List[int]]:
+        """The global batches of the current epoch (the same on every rank)."""
+        return [list(b) for b in self._epoch_plan()[0]]
+
+    @property
+    def unused(self) -> int:
+        """Examples in no batch of the current epoch (the same number on every rank)."""
+        return self._epoch_plan()[1]
+
+    @property
+    def duplicate_batches(self) -> int:
+        """Global batches of the current epoch in which a text occurs in two examples."""
+        return sum(1 for batch in self._epoch_plan()[0] if self._has_repeat(batch))
+
+    def _has_repeat(self, batch: Sequence[int]) -> bool:
+        seen: set = set()
+        for i in batch:
+            if self._text_sets[i] & seen:
+                return True
+            seen |= self._text_sets[i]
+        return False
 
     def __iter__(self) -> Iterator[List[int]]:
-        for batch in self.global_batches():
+        for batch in self._epoch_plan()[0]:
             share = -(-len(batch) // self.world_size)
             yield batch[self.rank * share : (self.rank + 1) * share]
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return len(self.texts) // self.global_batch_size  # an upper bound when texts repeat
-        return -(-len(self.texts) // self.global_batch_size)
+        return len(self._epoch_plan()[0])
 
 
 def _convert(args) -> None:

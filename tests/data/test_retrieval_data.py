@@ -142,7 +142,7 @@ def _examples_with_duplicates(n, seed=0):
 def test_global_no_duplicates_sampler(world_size):
     examples = _examples_with_duplicates(120)
     texts = [example_texts(e) for e in examples]
-    samplers = [GlobalNoDuplicatesBatchSampler(texts, 6, world_size=world_size, rank=r, seed=1)
+    samplers = [GlobalNoDuplicatesBatchSampler(texts, 6, world_size=world_size, rank=r, seed=1, duplicates="drop")
                 for r in range(world_size)]
     per_rank = [list(s) for s in samplers]
     assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) > 3
@@ -165,9 +165,15 @@ def test_sampler_validation():
         GlobalNoDuplicatesBatchSampler([("a",)] * 10, 5, world_size=2, rank=0)
     with pytest.raises(ValueError, match="rank"):
         GlobalNoDuplicatesBatchSampler([("a",)] * 10, 4, world_size=2, rank=2)
-    # all texts equal: one example per batch can be formed, so with drop_last no batch of 2
-    assert list(GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2)) == []
-    assert len(list(GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2, drop_last=False))) == 4
+    with pytest.raises(ValueError, match="duplicates must be one of"):
+        GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2, duplicates="skip")
+    # all texts equal: the strict rule forms one example per batch, so with drop_last no batch of 2
+    strict = GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2, duplicates="drop")
+    assert list(strict) == [] and len(strict) == 0 and strict.unused == 4
+    assert len(list(GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2, drop_last=False, duplicates="drop"))) == 4
+    # the default defers them into batches with the repeat (the loss masks it), none lost
+    deferred = GlobalNoDuplicatesBatchSampler([("a",)] * 4, 2)
+    assert len(list(deferred)) == len(deferred) == 2 and deferred.unused == 0 and deferred.duplicate_batches == 2
 
 
 def test_chatterbot_split_by_question():
