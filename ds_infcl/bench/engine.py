@@ -62,6 +62,8 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
            "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
            # torch.optim.AdamW (foreach): no JIT build of FusedAdam in every fresh machine
            "--ds-set", "optimizer.params.torch_adam=true"]
+    for extra in args.ds_set:
+        cmd += ["--ds-set", extra]
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     log_path = os.path.join(out, "log.txt")
@@ -134,6 +136,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--case-timeout", type=int, default=420, help="seconds per launched case")
     p.add_argument("--no-search", action="store_true")
     p.add_argument("--deepspeed-config", default=os.path.join(_REPO, "ds_configs", "zero2.json"))
+    p.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more DeepSpeed JSON overrides for every case (repeatable), e.g. "
+                   "zero_optimization.stage3_param_persistence_threshold=1e12")
+    p.add_argument("--label", default=None, help="title of the results table (default: the DeepSpeed config's name)")
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -162,7 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         w.writeheader()
         w.writerows(rows)
     lines = [
-        f"# Training-step benchmark: {args.arch}, ZeRO-2 bf16, GradCache chunk {args.chunk_size}/GPU",
+        f"# Training-step benchmark: {args.arch}, {args.label or os.path.basename(args.deepspeed_config)}"
+        f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}, GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
         "| impl | global batch | status | samples/s | step time (s) | peak memory / GPU (GiB) |", "| --- | --- | --- | --- | --- | --- |",
     ]

@@ -46,8 +46,8 @@ __all__ = ["ClipTask", "caption_ids", "ensure_digits_shards", "BUILTIN_DATA", "b
 
 BUILTIN_DATA = ("builtin:digits",)
 _DATA_FOLDER_HELP = (
-    "a data folder holds train.json (and optionally heldout.json, zero_shot.json) manifests next to "
-    "its .tar shards, as python -m ds_infcl.data.write_shards writes them; give "
+    "a data folder holds .tar shards, with train.json (and optionally heldout.json, zero_shot.json) "
+    "manifests as python -m ds_infcl.data.write_shards writes them, or without (every .tar trains); give "
     "data_dir: \"builtin:digits\" for the built-in digits, or train_shards: a brace pattern"
 )
 
@@ -110,6 +110,15 @@ def _read_manifest_checked(path: str) -> Dict[str, Any]:
     return manifest
 
 
+def _shard_list(source, key: str):
+    from ds_infcl.data import resolve_shards
+
+    try:
+        return resolve_shards(source, count=not checking())
+    except ValueError as e:
+        raise ConfigError(f"task.args.{key}: {e}") from None
+
+
 def _with_digits_bound(info: Dict[str, Any]) -> Dict[str, Any]:
     # The digits' global index is the row of load_digits(): both splits number one data set.
     info["index_bound"] = info["train"]["num_samples"] + info["heldout"]["num_samples"]
@@ -118,32 +127,31 @@ def _with_digits_bound(info: Dict[str, Any]) -> Dict[str, Any]:
 
 def scan_index_bound(urls) -> int:
     """One more than the largest global sample index in the shards (the json's ``idx``, else a
-    numeric key), reading tar headers and json members only (no image is decoded)."""
+    numeric key), reading tar headers and json members only (no image is decoded); a damaged
+    shard is read up to its damage, with a warning."""
     import logging
-    import tarfile
 
     from ds_infcl.data import expand_shard_urls
+    from ds_infcl.data.shards import ShardReport, iter_shard_samples
 
     top = -1
     for url in expand_shard_urls(urls):
-        try:
-            with tarfile.open(url) as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    key, _, ext = member.name.rpartition(".")
-                    if ext == "json":
-                        try:
-                            idx = json.loads(tar.extractfile(member).read()).get("idx")
-                            top = max(top, int(idx))
-                            continue
-                        except (ValueError, TypeError, AttributeError):
-                            pass
-                    base = os.path.basename(key)
-                    if base.isdigit():
-                        top = max(top, int(base))
-        except (OSError, tarfile.TarError) as e:
-            logging.getLogger(__name__).warning("sample index scan: skipped unreadable shard %s (%s)", url, e)
+        report = ShardReport(url)
+        for sample in iter_shard_samples(url, report, read={"json"}):
+            idx = None
+            if "json" in sample:
+                try:
+                    idx = int(json.loads(sample["json"]).get("idx"))
+                except (ValueError, TypeError, AttributeError):
+                    idx = None
+            key = os.path.basename(str(sample.get("__key__", "")))
+            if idx is None and key.isdigit():
+                idx = int(key)
+            if idx is not None:
+                top = max(top, idx)
+        if report.damage:
+            logging.getLogger(__name__).warning("sample index scan: shard %s is damaged at byte %s (%s); "
+                                                "read up to there", url, report.offset, report.damage)
     return top + 1
 
 
@@ -179,7 +187,10 @@ def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
         return _with_digits_bound(info)
     train = os.path.join(data_dir, "train.json")
     if not os.path.exists(train):
-        raise ConfigError(f"task.args.data_dir: {data_dir} holds no train.json manifest; {_DATA_FOLDER_HELP}")
+        if any(name.endswith(".tar") for name in os.listdir(data_dir)):
+            return {"train": {"urls": data_dir}}  # a folder of shards: every .tar in it, no held-out split
+        raise ConfigError(f"task.args.data_dir: {data_dir} holds no train.json manifest and no .tar shards; "
+                          f"{_DATA_FOLDER_HELP}")
     info: Dict[str, Any] = {"train": _read_manifest_checked(train)}
     heldout = os.path.join(data_dir, "heldout.json")
     if os.path.exists(heldout):
@@ -277,8 +288,10 @@ class ClipTask:
                 heldout_shards = info["heldout"]["urls"]
         self._unbuilt = False
         self._index_bound: Optional[int] = info.get("index_bound")
-        self.train_shards = train_shards
-        self.heldout_shards = heldout_shards
+        # Shard lists with their sizes (a sizes.json, a manifest, or counted once and cached: not
+        # under --check, which writes nothing), so that samples lost in a damaged shard are exact.
+        self.train_shards = _shard_list(train_shards, "train_shards")
+        self.heldout_shards = None if heldout_shards is None else _shard_list(heldout_shards, "heldout_shards")
         self.class_names = class_names if class_names is not None else info.get("class_names")
         self.zero_shot_templates = (
             zero_shot_templates if zero_shot_templates is not None else info.get("zero_shot_templates")
@@ -293,6 +306,7 @@ class ClipTask:
         self.random_crop = random_crop
         self.eval_batch_size = eval_batch_size
 
+        self.damaged_caption_shards: List[Any] = []
         self.tokenizer = self._build_tokenizer(tokenizer_path or model_path, tokenizer_kind, context_length,
                                                vocab_size)
         self._towers: Optional[ClipModel] = None
@@ -304,8 +318,8 @@ class ClipTask:
         """The caption tokenizer: loaded from ``tok_dir``, else trained on the training captions."""
         if tok_dir is not None and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
             return CaptionTokenizer.load(tok_dir)
-        return CaptionTokenizer.train(read_captions(self.train_shards), kind=kind, context_length=context_length,
-                                      vocab_size=vocab_size)
+        captions = read_captions(self.train_shards, damaged=self.damaged_caption_shards)
+        return CaptionTokenizer.train(captions, kind=kind, context_length=context_length, vocab_size=vocab_size)
 
     # -- the Task interface ----------------------------------------------------------------------
 
@@ -361,6 +375,7 @@ class ClipTask:
         ``[b, 3, H, W]``), ``key_inputs`` (``input_ids``, ``attention_mask`` ``[b, L]``) and
         ``sample_index`` (``[b]`` global index). ``start_step`` batches are skipped (decoded and
         dropped: the stream is a deterministic function of seed, rank and worker count)."""
+        self._rank = rank
         dataset = ImageTextShards(
             self.train_shards, image_transform=self._transform(train=True), batch_size=local_batch_size,
             tokenizer=self.tokenizer, rank=rank, world_size=world_size, shuffle_buffer=self.shuffle_buffer,
@@ -414,6 +429,16 @@ class ClipTask:
             class_names=self.class_names, templates=self.zero_shot_templates,
         ))
         return metrics
+
+    def data_report(self) -> Dict[str, int]:
+        """This rank's counts of training samples not trained on, by reason (the engine sums them
+        over ranks): bad samples, samples lost in a damaged shard (exact when the shard's size is
+        known), samples missing from a short shard, a dropped final partial batch; and shards the
+        caption tokenizer could not read (rank 0)."""
+        counts = dict(self.tally.counts)
+        if getattr(self, "_rank", 0) == 0 and self.damaged_caption_shards:
+            counts["damaged_shards_at_tokenizer_build"] = len(self.damaged_caption_shards)
+        return counts
 
     def state_dict(self) -> Dict[str, Any]:
         return {"batches_consumed": self.batches_consumed, "bad_samples": self.tally.counts}

@@ -69,6 +69,12 @@ class RetrievalTask:
         pooling, normalize, query_prefix, document_prefix, max_seq_length, separate: encoders.
         scale: fixed logit scale (20) unless the run config makes it learnable.
         mask_false_negatives: pass text ids to the loss (default True).
+        duplicates: what the global batch sampler does with examples whose texts repeat one
+            already in a batch (``GlobalNoDuplicatesBatchSampler``): ``"defer"`` (default: to a
+            later batch; at the end of an epoch the rest fill batches anyway, their repeats
+            handled by the false-negative masking), ``"allow"`` (a plain shuffle) or ``"drop"``
+            (the strict rule: examples that cannot be placed are not used). Examples not used
+            in an epoch are counted, printed per epoch and reported in the run summary.
         heldout_fraction: for ``"chatterbot"``: held-out share of the questions.
         eval_batch_size: texts per forward in ``evaluate``.
         seed: data seed (the trainer's seed is added to it).
@@ -90,12 +96,25 @@ class RetrievalTask:
         separate: bool = False,
         scale: float = 20.0,
         mask_false_negatives: bool = True,
+        duplicates: str = "defer",
         heldout_fraction: float = 0.2,
         eval_batch_size: int = 256,
         seed: int = 0,
     ):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
+        if duplicates not in ("defer", "allow", "drop"):
+            raise ConfigError(f"task.args.duplicates: 'defer', 'allow' or 'drop', got {duplicates!r}")
+        if duplicates != "drop" and not mask_false_negatives:
+            raise ConfigError(
+                f"task.args.duplicates={duplicates!r} puts repeated texts in a batch, where only the "
+                "false-negative masking keeps a repeated positive from counting as a negative: set "
+                "mask_false_negatives true, or duplicates 'drop'"
+            )
+        self.duplicates = duplicates
+        self.unused_examples = 0  # examples left out of an epoch, summed over the epochs begun
+        self.duplicate_batches = 0
+        self.epochs_begun = 0
         self.tally = MalformedTally()
         self.queries: List[str] = []
         self.relevant: List[set] = []
@@ -212,13 +231,24 @@ class RetrievalTask:
         """Endless stream of this rank's batches (epochs of the global no-duplicate sampler)."""
         global_batch = local_batch_size * world_size
         self.global_batch_size = global_batch
+        self._rank = rank
         sampler = GlobalNoDuplicatesBatchSampler(
             [example_texts(ex) for ex in self.examples], global_batch, world_size=world_size, rank=rank,
-            seed=self.seed + seed,
+            seed=self.seed + seed, duplicates=self.duplicates,
         )
         step, epoch = 0, 0
         while True:
             sampler.set_epoch(epoch)
+            num_batches = len(sampler)
+            if step + num_batches > start_step:  # an epoch this run trains on (also after a resume)
+                self.epochs_begun += 1
+                self.unused_examples += sampler.unused
+                self.duplicate_batches += sampler.duplicate_batches
+                if rank == 0:
+                    print(f"[ds_infcl] retrieval epoch {epoch}: {len(self.examples) - sampler.unused} of "
+                          f"{len(self.examples)} examples in {num_batches} global batches; {sampler.unused} not used "
+                          f"(duplicates={self.duplicates!r}), {sampler.duplicate_batches} batches with a repeated "
+                          "text (masked as false negatives)", flush=True)
             produced = 0
             for indices in sampler:
                 produced += 1
@@ -231,6 +261,14 @@ class RetrievalTask:
                     f"from {len(self.examples)} examples"
                 )
             epoch += 1
+
+    def data_report(self) -> Dict[str, int]:
+        """This rank's share of the data counts of the run (the engine sums them over ranks): the
+        sampler's counts are the same on every rank, so rank 0 reports them."""
+        if getattr(self, "_rank", 0) != 0:
+            return {}
+        return {"malformed_records": int(self.tally.total), "epochs_begun": self.epochs_begun,
+                "unused_examples": self.unused_examples, "duplicate_batches": self.duplicate_batches}
 
     @torch.no_grad()
     def evaluate(self, encoder, step: int) -> Dict[str, float]:

@@ -47,6 +47,7 @@ class TrainSummary:
     eval: Dict[str, float] = field(default_factory=dict)
     notes: list = field(default_factory=list)
     final_scale: float = float("nan")  # exp(final_logit_scale), clamped: the "scale" of the logs
+    data: Dict[str, int] = field(default_factory=dict)  # the task's data counts, summed over ranks
 
 
 class Encoder:
@@ -289,6 +290,9 @@ def train(
                 _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
 
     logger.close()
+    data_counts = _data_report(task)
+    if data_counts:
+        _log("data: " + ", ".join(f"{k}={v}" for k, v in sorted(data_counts.items())), rank)
     final_scale = _logit_scale(engine)
     beat()
     if save_params:
@@ -302,7 +306,7 @@ def train(
         final_scale=_scale_of(engine, final_scale), losses=losses,
         samples_per_s=(timed_samples / train_time) if train_time > 0 else float("nan"),
         peak_mem_mib=peak_memory_mib(device), wall_s=time.time() - t_start,
-        eval=eval_metrics, notes=notes,
+        eval=eval_metrics, notes=notes, data=data_counts,
     )
     if rank == 0:
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
@@ -312,6 +316,22 @@ def train(
     if hasattr(engine, "destroy"):
         engine.destroy()
     return summary
+
+
+def _data_report(task) -> Dict[str, int]:
+    """The task's ``data_report()`` (this rank's counts: samples skipped, examples unused, ...)
+    summed over the ranks; every rank gets the same dict (a collective: all ranks call it)."""
+    import deepspeed.comm as dist
+
+    report = getattr(task, "data_report", None)
+    mine = {k: int(v) for k, v in (report() if callable(report) else {}).items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    total: Dict[str, int] = {}
+    for counts in gathered:
+        for k, v in (counts or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def _save_params(engine, path: str, rank: int) -> None:

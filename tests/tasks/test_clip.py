@@ -226,7 +226,7 @@ def test_builtin_digits_by_name_and_check_writes_nothing(tmp_path, capsys, monke
     assert rc == 0, out.err
     assert _tree(__import__("pathlib").Path(digits_dir)) == before
     task = ClipTask("builtin:digits", arch="tiny")
-    assert task.train_shards.startswith(os.path.abspath(digits_dir))
+    assert task.train_shards.urls[0].startswith(os.path.abspath(digits_dir)) and task.train_shards.num_samples == 1438
 
 
 def test_fastclip_num_samples_comes_from_the_data(tmp_path, capsys, digits_dir):
@@ -254,3 +254,25 @@ def test_fastclip_num_samples_comes_from_the_data(tmp_path, capsys, digits_dir):
     # Without the digits' own record the bound is read from the shards' json once (no decoding).
     assert scan_index_bound(task.train_shards) == 1797  # row 1796 is a training sample of the split
     assert 1438 < scan_index_bound(task.heldout_shards) <= 1797
+
+
+def test_a_folder_of_shards_with_a_damaged_one(tmp_path):
+    # Issue 13, items 2 and 5 in the task: a folder of .tar shards without a manifest trains; a
+    # garbage shard among them no longer kills the tokenizer build (every rank read every shard
+    # and died with a raw tarfile.ReadError); it is named and counted in the task's data report.
+    from ds_infcl.data.synthetic import write_synthetic_shards
+
+    folder = tmp_path / "shards"
+    write_synthetic_shards(str(folder), num_train=40, num_heldout=10, image_size=32, samples_per_shard=10, workers=1)
+    for name in os.listdir(folder):
+        if name.endswith(".json") or name.startswith("heldout"):
+            os.remove(folder / name)
+    (folder / "train-000009.tar").write_bytes(b"not a tar file at all" * 40)
+    task = ClipTask(str(folder), arch="tiny", tokenizer_kind="bpe", vocab_size=100, shuffle_buffer=0)
+    assert len(task.train_shards) == 5 and task.heldout_shards is None
+    assert task.train_shards.sizes[:4] == [10, 10, 10, 10]  # counted from the headers
+    assert [r.url for r in task.damaged_caption_shards] == [str(folder / "train-000009.tar")]
+    task.build_towers()
+    batch = next(task.batches(rank=0, world_size=1, local_batch_size=8, start_step=0, seed=0))
+    assert batch["query_inputs"].shape[0] == 8
+    assert task.data_report()["damaged_shards_at_tokenizer_build"] == 1

@@ -68,6 +68,11 @@ def test_engine_two_ranks_grad_cache_equals_one_process(tmp_path):
     for a, b in zip(single["losses"], multi["losses"]):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
     assert single["losses"][-1] < single["losses"][0]
+    # The data counts in the summary are the run's, not a rank's: the malformed line once, the
+    # sampler's counts (the same on every rank) once.
+    assert multi["data"] == single["data"]
+    assert multi["data"]["malformed_records"] == 1 and multi["data"]["epochs_begun"] == 1
+    assert multi["data"]["unused_examples"] == 0  # 60 examples, 5 global batches of 12
 
     from sentence_transformers import SentenceTransformer
 
@@ -98,3 +103,35 @@ def test_records_are_checked_at_load(tmp_path):
         get_task("retrieval", {"data": str(tmp_path / "nope.jsonl")})
     with pytest.raises(ConfigError, match="is a directory"):
         get_task("retrieval", {"data": str(tmp_path)})
+
+
+def test_faq_data_loses_no_example_and_counts_what_it_leaves_out(tmp_path, capsys):
+    # Issue 13, item 3: 240 rows where 120 queries share one positive. The strict sampler trained
+    # on 96 examples per epoch and said nothing; now every example is used but the last partial
+    # global batch, and what is left out is counted and printed.
+    from ds_infcl.tasks.base import get_task
+
+    make_tiny_model_dir(str(tmp_path / "tiny"))
+    t = random_texts(400, 5)
+    with open(tmp_path / "faq.jsonl", "w") as f:
+        for i in range(240):
+            pos = t[300] if i < 120 else t[120 + i]
+            f.write(json.dumps({"query": t[i], "pos": [pos]}) + "\n")
+    task = get_task("retrieval", {"data": str(tmp_path / "faq.jsonl"), "model_path": str(tmp_path / "tiny")})
+    stream = task.batches(rank=0, world_size=2, local_batch_size=16, start_step=0, seed=0)
+    epoch = [next(stream) for _ in range(7)]  # 240 // 32 = 7 global batches
+    used = sum(len(b["sample_index"]) for b in epoch) * 2
+    assert used == 224 and task.unused_examples == 240 - 224 and task.epochs_begun == 1
+    out = capsys.readouterr().out
+    assert "retrieval epoch 0: 224 of 240 examples in 7 global batches; 16 not used" in out
+    report = task.data_report()
+    assert report["unused_examples"] == 16 and report["duplicate_batches"] == task.duplicate_batches > 0
+    strict = get_task("retrieval", {"data": str(tmp_path / "faq.jsonl"), "model_path": str(tmp_path / "tiny"),
+                                    "duplicates": "drop"})
+    next(strict.batches(rank=0, world_size=2, local_batch_size=16, start_step=0, seed=0))
+    assert strict.unused_examples == 240 - 96  # the old behaviour, now counted
+    from ds_infcl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mask_false_negatives"):
+        get_task("retrieval", {"data": str(tmp_path / "faq.jsonl"), "model_path": str(tmp_path / "tiny"),
+                               "mask_false_negatives": False})
