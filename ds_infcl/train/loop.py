@@ -298,7 +298,8 @@ def train(
     if save_params:
         _save_params(engine, save_params, rank)
     if cfg.checkpoint.export_final and callable(getattr(task, "save_pretrained", None)):
-        _export(engine, task, os.path.join(cfg.output_dir, "final_model"), rank)
+        _export(engine, task, os.path.join(cfg.output_dir, "final_model"), rank,
+                getattr(torch, cfg.checkpoint.export_dtype))
     summary = TrainSummary(
         steps=step, start_step=start_step, world_size=world,
         global_batch_size=layout.global_batch_size, num_chunks=layout.num_chunks,
@@ -361,10 +362,10 @@ def _master_params(engine, rank: int) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _export(engine, task, folder: str, rank: int) -> None:
+def _export(engine, task, folder: str, rank: int, dtype: torch.dtype = torch.float32) -> None:
     """Gather the parameters (ZeRO-3 included) and let the task write its model folder on rank 0,
-    in float32 from the optimizer's master weights: a bf16 module copy would lose every update
-    below bf16's resolution (2**-8 of the value)."""
+    from the optimizer's float32 master weights (a bf16 module copy would lose every update below
+    bf16's resolution, 2**-8 of the value), rounded once to ``dtype`` (``checkpoint.export_dtype``)."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -378,7 +379,7 @@ def _export(engine, task, folder: str, rank: int) -> None:
             originals = {name: p.data for name, p in params.items()}
             try:
                 for name, p in params.items():
-                    p.data = masters[name].to(p.device) if name in masters else p.data.float()
+                    p.data = (masters[name] if name in masters else p.data.float()).to(device=p.device, dtype=dtype)
                 loss = engine.module.loss
                 logit_scale = loss.logit_scale.detach().float().reshape(()).cpu().clone()
                 extra = {}

@@ -114,6 +114,7 @@ def runs(tmp_path_factory):
         refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
     if _clip_task_available():
         refs.append(h.job("clip_task", "zero2.json", [], CLIP_TASK))
+        refs.append(h.job("clip_task_bf16_export", "zero2.json", [], CLIP_TASK + ["checkpoint.export_dtype=bfloat16"]))
     h.run_jobs(h.write_jobs(out, _digits(refs, out), "one_rank.json"), 1)
     resumed = [h.job(f"resume{stage}{loss}_part", f"zero{stage}.json", RESUME_DS,
                      RESUME + RESUME_LOSS[loss] + ["train.num_steps=6"],
@@ -305,6 +306,19 @@ def test_export_is_float32_from_the_master_weights(runs, case):
     trained = [v for k, v in floats.items() if k.startswith(("visual_projection", "text_projection"))]
     assert trained and any(not torch.equal(v, v.bfloat16().float()) for v in trained)
     assert state["loss.logit_scale"].dtype == torch.float32
+
+
+def test_export_dtype_rounds_the_masters_once(runs):
+    """checkpoint.export_dtype=bfloat16: the same run's float32 export rounded once to bf16 (not
+    the bf16 module copy); the logit scale stays float32."""
+    from safetensors.torch import load_file
+
+    full = load_file(str(runs / "clip_task" / "final_model" / "model.safetensors"))
+    half = load_file(str(runs / "clip_task_bf16_export" / "final_model" / "model.safetensors"))
+    assert half["loss.logit_scale"].dtype == torch.float32
+    for k, v in full.items():
+        if v.is_floating_point() and k != "loss.logit_scale":
+            assert half[k].dtype == torch.bfloat16 and torch.equal(half[k], v.bfloat16()), k
 
 
 @pytest.mark.parametrize("case", ["fc_z2", "fc_gc3"])
