@@ -23,6 +23,12 @@ What differs:
 - **False-negative masking** (default on): a candidate whose token ids equal those of an anchor's
   positive is not a negative of that anchor (duplicate positives in a batch, a hard negative
   identical to the positive). With no repeated texts the loss equals MNRL's.
+- **Matryoshka built in** (``matryoshka_dims``): the weighted sum of the loss over nested
+  prefixes of the embeddings, from one (cached) forward, each term over the global batch; equals
+  ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), matryoshka_dims,
+  matryoshka_weights)`` on one device. Wrapping this class in ``MatryoshkaLoss`` instead works
+  only without caching (``mini_batch_size=None``): with caching, the activation checkpoints
+  recompute through the undecorated model and stop with torch's ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_infcl.adapters.retrieval import encode_chunked, feature_ids, retrieval_loss
+from ds_infcl.loss.retrieval import check_matryoshka, matryoshka_retrieval_loss
 
 __all__ = ["InfCLMultipleNegativesRankingLoss"]
 
@@ -45,6 +52,19 @@ def _similarity_name(fn) -> str:
     if name in ("dot_score", "dot"):
         return "dot_score"
     raise ValueError(f"similarity_fct must be cos_sim or dot_score (or their names), got {name!r}")
+
+
+def _embedding_dimension(model) -> Optional[int]:
+    """The model's sentence-embedding dimension when it can tell (else ``None``)."""
+    for name in ("get_embedding_dimension", "get_sentence_embedding_dimension"):
+        fn = getattr(model, name, None)
+        if callable(fn):
+            try:
+                dim = fn()
+            except Exception:  # a model that cannot tell: checked against c at the first step
+                return None
+            return int(dim) if dim is not None else None
+    return None
 
 
 class InfCLMultipleNegativesRankingLoss(nn.Module):
@@ -66,13 +86,23 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
         group: process group of the data-parallel ranks (``None``: DeepSpeed's data-parallel
             group when DeepSpeed has a mesh, else the default group).
         backend, tile_size: see ``ds_infcl.loss.lse``.
+        matryoshka_dims: nested prefix lengths of the embedding, largest first (e.g.
+            ``[384, 256, 128, 64]``), each at most the model's embedding dimension; the loss is the
+            weighted sum over the prefixes (``ds_infcl.loss.retrieval.matryoshka_retrieval_loss``).
+            ``None`` (default): the plain loss.
+        matryoshka_weights: one weight per dim (default all 1).
+
+    With ``similarity_fct=cos_sim`` each prefix is L2-normalized again after truncation, as
+    ``MatryoshkaLoss`` does; with ``dot_score`` the prefixes are scored by their plain dot product
+    (``MatryoshkaLoss`` normalizes the prefixes whatever the similarity, so it scores cosine there).
 
     Inputs: ``(anchor, positive)`` pairs or ``(anchor, positive, negative_1, ..., negative_n)``
     tuples; labels are ignored.
 
     Relations: equals ``MultipleNegativesRankingLoss`` (and ``CachedMultipleNegativesRankingLoss``)
     on one device when no text repeats; with ``gather_across_devices=True`` it equals MNRL on the
-    concatenated global batch.
+    concatenated global batch. With ``matryoshka_dims`` it equals ``MatryoshkaLoss`` wrapped
+    around MNRL (the same dims and weights).
 
     Example::
 
@@ -96,6 +126,8 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
         group=None,
         backend: str = "auto",
         tile_size: Optional[int] = None,
+        matryoshka_dims: Optional[List[int]] = None,
+        matryoshka_weights: Optional[List[float]] = None,
     ):
         super().__init__()
         if scale <= 0:
@@ -112,6 +144,15 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
         self.group = group
         self.backend = backend
         self.tile_size = tile_size
+        if matryoshka_dims is None:
+            if matryoshka_weights is not None:
+                raise ValueError("matryoshka_weights is set but matryoshka_dims is None: give the dims "
+                                 "(largest first) or drop the weights")
+            self.matryoshka_dims = self.matryoshka_weights = None
+        else:
+            self.matryoshka_dims, self.matryoshka_weights = check_matryoshka(
+                matryoshka_dims, matryoshka_weights, _embedding_dimension(model)
+            )
         self._local_group = None
 
     def _loss_group(self):
@@ -152,6 +193,13 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
                 raise ValueError(f"column {i} has {e.shape[0]} rows, the anchor column has {b}")
         key = torch.cat(embeddings[1:])
         lab = torch.arange(b, device=query.device)
+        if self.matryoshka_dims is not None:
+            return matryoshka_retrieval_loss(
+                query, key, self.scale, lab, matryoshka_dims=self.matryoshka_dims,
+                matryoshka_weights=self.matryoshka_weights, normalize=self.similarity == "cos_sim",
+                key_ids=key_ids, symmetric=self.symmetric, group=self._loss_group(), backend=self.backend,
+                tile_size=self.tile_size,
+            )
         return retrieval_loss(
             query, key, self.scale, lab, key_ids=key_ids, symmetric=self.symmetric,
             group=self._loss_group(), backend=self.backend, tile_size=self.tile_size,
@@ -165,6 +213,8 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
             "gather_across_devices": self.gather_across_devices,
             "symmetric": self.symmetric,
             "mask_false_negatives": self.mask_false_negatives,
+            "matryoshka_dims": None if self.matryoshka_dims is None else list(self.matryoshka_dims),
+            "matryoshka_weights": None if self.matryoshka_weights is None else list(self.matryoshka_weights),
         }
 
     @property

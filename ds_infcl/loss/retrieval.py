@@ -20,19 +20,45 @@ package's collectives; only the rows in a masked pair travel). Nothing of size `
 formed: pairs are found by sorting ids. The subtraction loses precision only when the masked keys
 hold almost all of a row's probability mass; the fused alternative (an ``exclude_ids`` mask inside
 the LSE op) is described in docs/retrieval.md.
+
+Matryoshka (``matryoshka_retrieval_loss``, ``RetrievalLoss(matryoshka_dims=...)``): the weighted
+sum of this loss over nested prefixes ``x[:, :d_1], x[:, :d_2], ...`` (``d_1 > d_2 > ...``) of
+the same embeddings, each prefix L2-normalized again for cosine similarity (as
+sentence-transformers' ``MatryoshkaLoss`` does). Each term is exact over the global batch and masked the same way; the
+masked pairs are found and their rows gathered once for all prefixes.
+``retrieval_loss_reference`` is the materialized float64 reference of both.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+import math
+import numbers
+import warnings
+from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ds_infcl.loss.functional import contrastive_loss, lse
-from ds_infcl.ring import all_gather_blocks, all_gather_with_grad, global_sum_with_grad, resolve_group
+from ds_infcl.ring import (
+    agree_on_input_errors,
+    all_gather_blocks,
+    all_gather_with_grad,
+    global_sum_with_grad,
+    resolve_group,
+)
 
-__all__ = ["false_negative_pairs", "retrieval_loss", "RetrievalLoss", "keys_and_labels"]
+__all__ = [
+    "false_negative_pairs",
+    "retrieval_loss",
+    "matryoshka_retrieval_loss",
+    "retrieval_loss_reference",
+    "check_matryoshka",
+    "RetrievalLoss",
+    "keys_and_labels",
+]
 
 
 def _resolve_group(group):
@@ -116,6 +142,193 @@ def _masked_lse_correction(lse_vec: torch.Tensor, masked_logits: torch.Tensor, i
 # ----------------------------------------------------------------------------------------------
 
 
+def check_matryoshka(
+    dims: Sequence[int], weights: Optional[Sequence[float]] = None, embedding_dim: Optional[int] = None
+) -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
+    """Validated ``(dims, weights)`` of a Matryoshka loss, as tuples.
+
+    ``dims`` are distinct positive integers, largest first, each at most ``embedding_dim`` (when
+    given); ``weights`` (default all 1) are finite, non-negative and as many as ``dims``.
+
+    Raises:
+        ValueError: naming what is wrong and the value that would be accepted.
+    """
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise ValueError(f"matryoshka_dims must be a list of positive integers, largest first "
+                         f"(e.g. [768, 512, 256, 128, 64]), got {dims!r}")
+    dims = list(dims)
+    if not dims:
+        raise ValueError("matryoshka_dims is empty: give at least one dimension (e.g. [768, 512, 256]) "
+                         "or None for the plain loss")
+    bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1]
+    if bad:
+        raise ValueError(f"matryoshka_dims must be positive integers, got {bad} in {dims}")
+    dims = [int(d) for d in dims]
+    dups = sorted({d for d in dims if dims.count(d) > 1}, reverse=True)
+    if dups:
+        raise ValueError(f"matryoshka_dims has duplicates {dups} in {dims}: list each dimension once")
+    if any(a < b for a, b in zip(dims, dims[1:])):
+        raise ValueError(f"matryoshka_dims must be in descending order (largest first), got {dims}; pass "
+                         f"{sorted(dims, reverse=True)} and reorder matryoshka_weights the same way")
+    if embedding_dim is not None and dims[0] > embedding_dim:
+        raise ValueError(f"matryoshka_dims {dims}: {[d for d in dims if d > embedding_dim]} exceed the "
+                         f"embedding dimension c={embedding_dim}; every dimension must be <= c")
+    if weights is None:
+        return tuple(dims), (1.0,) * len(dims)
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__iter__"):
+        raise ValueError(f"matryoshka_weights must be a list of numbers, one per dimension, got {weights!r}")
+    weights = list(weights)
+    if len(weights) != len(dims):
+        raise ValueError(f"matryoshka_weights has {len(weights)} entries but matryoshka_dims {dims} has "
+                         f"{len(dims)}: give one weight per dimension (or None for all 1)")
+    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real)
+           or not math.isfinite(float(w)) or float(w) < 0]
+    if bad:
+        raise ValueError(f"matryoshka_weights must be finite numbers >= 0, got {bad} in {weights}")
+    return tuple(dims), tuple(float(w) for w in weights)
+
+
+def _prefix(x: torch.Tensor, dim: int, normalize: bool) -> torch.Tensor:
+    """``x[:, :dim]``, L2-normalized per row when ``normalize`` (as sentence-transformers'
+    ``MatryoshkaLoss`` does: truncate, then normalize)."""
+    if not normalize:
+        return x if dim == x.shape[1] else x[:, :dim].contiguous()
+    return F.normalize(x[:, :dim], p=2, dim=-1)
+
+
+class _MaskPlan:
+    """Where the false-negative pairs of a global batch are: the pairs ``(rows_g, cols_g)`` in
+    global query/key indices, which local rows take part, and (``rows()``) the gathered rows (full
+    width, with gradients) that the masked logits are recomputed from. Built once per call, shared
+    by every Matryoshka dimension."""
+
+    def __init__(self, query, key, labels, rows_g, cols_g, query_sizes, key_sizes, world, rank, group):
+        b, m = query.shape[0], key.shape[0]
+        q_off = sum(query_sizes[:rank])
+        k_off = sum(key_sizes[:rank])
+        q_starts = [sum(query_sizes[:r]) for r in range(world)]
+        k_starts = [sum(key_sizes[:r]) for r in range(world)]
+        self.num_queries = sum(query_sizes)
+        # the rows taking part in a masked pair travel (with gradients); everything else stays
+        need_q = torch.unique(rows_g)
+        need_k = torch.unique(cols_g)
+        my_q = need_q[(need_q >= q_off) & (need_q < q_off + b)] - q_off
+        my_k = need_k[(need_k >= k_off) & (need_k < k_off + m)] - k_off
+        nq = [int(((need_q >= q_starts[r]) & (need_q < q_starts[r] + query_sizes[r])).sum()) for r in range(world)]
+        nk = [int(((need_k >= k_starts[r]) & (need_k < k_starts[r] + key_sizes[r])).sum()) for r in range(world)]
+        self._gather_args = (query, my_q, nq, key, my_k, nk, rank, group)
+        self._rows = None
+        # position of global query/key index within the gathered rows (need_* is sorted by rank)
+        q_pos = torch.searchsorted(need_q, rows_g)
+        k_pos = torch.searchsorted(need_k, cols_g)
+        # row direction: pairs whose query lives here (possibly none)
+        mine = (rows_g >= q_off) & (rows_g < q_off + b)
+        self.row_q, self.row_k, self.row_index = q_pos[mine], k_pos[mine], rows_g[mine] - q_off
+        # column direction: pairs whose key is the positive of a query that lives here
+        is_pos_col = torch.isin(cols_g, labels + k_off)
+        self.col_q, self.col_k, self.col_index = q_pos[is_pos_col], k_pos[is_pos_col], cols_g[is_pos_col] - k_off
+
+    def rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The gathered query and key rows of the masked pairs (gathered on the first call, after
+        the first LSE, so the single-prefix loss builds its graph in the order it always did)."""
+        if self._rows is None:
+            query, my_q, nq, key, my_k, nk, rank, group = self._gather_args
+            self._rows = (all_gather_with_grad(query[my_q], nq, rank, group, reduce="all_reduce"),
+                          all_gather_with_grad(key[my_k], nk, rank, group, reduce="all_reduce"))
+        return self._rows
+
+
+def _mask_plan(query, key, labels, key_ids, positive_ids, group, world, rank) -> Optional[_MaskPlan]:
+    """The false-negative plan of the global batch, or ``None`` when no pair is masked anywhere
+    (then every rank takes the plain loss path). Validates ``key_ids`` and ``positive_ids``."""
+    b, m = query.shape[0], key.shape[0]
+    if key_ids.shape != (m,):
+        raise ValueError(f"key_ids must have shape [m]=[{m}], got {tuple(key_ids.shape)}")
+    key_ids = key_ids.to(query.device).long()
+    if positive_ids is None:
+        positive_ids = key_ids[labels].unsqueeze(1)
+    positive_ids = positive_ids.to(query.device).long()
+    if positive_ids.dim() != 2 or positive_ids.shape[0] != b or positive_ids.shape[1] < 1:
+        raise ValueError(f"positive_ids must have shape [b, P] with b={b}, P >= 1, got {tuple(positive_ids.shape)}")
+    if world > 1:  # the same P on every rank (pad by repeating the first id)
+        import torch.distributed as dist
+
+        width = torch.tensor([positive_ids.shape[1]], device=query.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+        if int(width) > positive_ids.shape[1]:
+            pad = positive_ids[:, :1].expand(-1, int(width) - positive_ids.shape[1])
+            positive_ids = torch.cat([positive_ids, pad], 1)
+
+    # global ids, sizes and positive columns (small int exchanges; the same pairs on every rank)
+    all_key_ids = all_gather_blocks(key_ids, group)
+    all_pos_ids = all_gather_blocks(positive_ids, group)
+    all_labels = all_gather_blocks(labels, group)
+    key_sizes = [t.shape[0] for t in all_key_ids]
+    query_sizes = [t.shape[0] for t in all_labels]
+    key_off = [sum(key_sizes[:r]) for r in range(world)]
+    label_cols_g = torch.cat([l + o for l, o in zip(all_labels, key_off)])
+    rows_g, cols_g = false_negative_pairs(torch.cat(all_key_ids), torch.cat(all_pos_ids), label_cols_g)
+    if rows_g.numel() == 0:
+        return None
+    return _MaskPlan(query, key, labels, rows_g, cols_g, query_sizes, key_sizes, world, rank, group)
+
+
+def _masked_share(query, key, prefix, scale_t, labels, plan: _MaskPlan, *, first, symmetric, group, backend,
+                  tile_size) -> torch.Tensor:
+    """This rank's share of the masked loss on ``prefix(query)``, ``prefix(key)`` (the shares of
+    all ranks add up to the global loss); ``prefix`` maps full-width rows to the width scored."""
+    query, key = prefix(query), prefix(key)
+    row_lse, col_lse = lse(query, key, scale_t, compute_col=symmetric, backend=backend, group=group,
+                           tile_size=tile_size)
+    pos = scale_t * (query.float() * key[labels].float()).sum(1)
+    q_full, k_full = plan.rows()
+    share = (row_lse - pos).sum()
+    if first:
+        # Every rank builds the same graph (no data-dependent branches, gathered rows always
+        # used), so the collectives of the backward run in the same order everywhere.
+        share = share + 0.0 * (q_full.float().sum() + k_full.float().sum())
+    q_rows, k_rows = prefix(q_full), prefix(k_full)
+    x = scale_t * (q_rows[plan.row_q].float() * k_rows[plan.row_k].float()).sum(1)
+    share = share + _masked_lse_correction(row_lse, x, plan.row_index).sum()
+    share = share / plan.num_queries
+    if symmetric:
+        col_term = (col_lse[labels] - pos).sum()
+        x = scale_t * (q_rows[plan.col_q].float() * k_rows[plan.col_k].float()).sum(1)
+        corr = _masked_lse_correction(col_lse, x, plan.col_index)
+        col_term = col_term + corr[labels].sum()
+        share = (share + col_term / plan.num_queries) / 2
+    return share
+
+
+def _retrieval_loss_over_prefixes(query, key, scale, labels, key_ids, positive_ids, prefixes, *, symmetric,
+                                  group, backend, tile_size) -> torch.Tensor:
+    """``sum_i w_i * loss(prefix_i(query), prefix_i(key))`` for ``prefixes = [(fn_i, w_i), ...]``;
+    the false-negative pairs are found and their rows gathered once for all prefixes."""
+    group, world, rank = _resolve_group(group)
+    b = query.shape[0]
+    labels = torch.arange(b, device=query.device) if labels is None else labels.to(query.device).long()
+    plan = None
+    if key_ids is not None:
+        plan = _mask_plan(query, key, labels, key_ids, positive_ids, group, world, rank)
+    if plan is None:  # no masking asked for, or nothing to mask anywhere: the plain loss per prefix
+        total = None
+        for fn, weight in prefixes:
+            term = contrastive_loss(fn(query), fn(key), scale, labels, symmetric=symmetric, backend=backend,
+                                    group=group, tile_size=tile_size)
+            term = term if weight == 1.0 else weight * term
+            total = term if total is None else total + term
+        return total
+    scale_t = scale if torch.is_tensor(scale) else torch.tensor(float(scale), device=query.device)
+    scale_t = scale_t.to(device=query.device, dtype=torch.float32).reshape(())
+    total = None
+    for i, (fn, weight) in enumerate(prefixes):
+        share = _masked_share(query, key, fn, scale_t, labels, plan, first=i == 0, symmetric=symmetric,
+                              group=group, backend=backend, tile_size=tile_size)
+        share = share if weight == 1.0 else weight * share
+        total = share if total is None else total + share
+    return global_sum_with_grad(total, world, group)
+
+
 def retrieval_loss(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -148,83 +361,126 @@ def retrieval_loss(
         0-dim float32 global loss (the same on every rank); after the data-parallel mean of the
         gradients every parameter gets the gradient of the global-batch loss.
     """
-    group, world, rank = _resolve_group(group)
-    b, m = query.shape[0], key.shape[0]
-    labels = torch.arange(b, device=query.device) if labels is None else labels.to(query.device).long()
-    if key_ids is None:
-        return contrastive_loss(
-            query, key, scale, labels, symmetric=symmetric, backend=backend, group=group, tile_size=tile_size
-        )
-    if key_ids.shape != (m,):
-        raise ValueError(f"key_ids must have shape [m]=[{m}], got {tuple(key_ids.shape)}")
-    key_ids = key_ids.to(query.device).long()
-    if positive_ids is None:
-        positive_ids = key_ids[labels].unsqueeze(1)
-    positive_ids = positive_ids.to(query.device).long()
-    if positive_ids.dim() != 2 or positive_ids.shape[0] != b or positive_ids.shape[1] < 1:
-        raise ValueError(f"positive_ids must have shape [b, P] with b={b}, P >= 1, got {tuple(positive_ids.shape)}")
-    if world > 1:  # the same P on every rank (pad by repeating the first id)
-        import torch.distributed as dist
+    return _retrieval_loss_over_prefixes(
+        query, key, scale, labels, key_ids, positive_ids, [(lambda x: x, 1.0)], symmetric=symmetric,
+        group=group, backend=backend, tile_size=tile_size,
+    )
 
-        width = torch.tensor([positive_ids.shape[1]], device=query.device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-        if int(width) > positive_ids.shape[1]:
-            pad = positive_ids[:, :1].expand(-1, int(width) - positive_ids.shape[1])
-            positive_ids = torch.cat([positive_ids, pad], 1)
 
-    # global ids, sizes and positive columns (small int exchanges; the same pairs on every rank)
-    all_key_ids = all_gather_blocks(key_ids, group)
-    all_pos_ids = all_gather_blocks(positive_ids, group)
-    all_labels = all_gather_blocks(labels, group)
-    key_sizes = [t.shape[0] for t in all_key_ids]
-    query_sizes = [t.shape[0] for t in all_labels]
-    key_off = [sum(key_sizes[:r]) for r in range(world)]
-    q_off = [sum(query_sizes[:r]) for r in range(world)]
-    pos_ids_g = torch.cat(all_pos_ids)
-    label_cols_g = torch.cat([l + o for l, o in zip(all_labels, key_off)])
-    rows_g, cols_g = false_negative_pairs(torch.cat(all_key_ids), pos_ids_g, label_cols_g)
-    if rows_g.numel() == 0:  # nothing to mask anywhere: the plain loss
-        return contrastive_loss(
-            query, key, scale, labels, symmetric=symmetric, backend=backend, group=group, tile_size=tile_size
-        )
-    num_queries = sum(query_sizes)
-    scale_t = scale if torch.is_tensor(scale) else torch.tensor(float(scale), device=query.device)
-    scale_t = scale_t.to(device=query.device, dtype=torch.float32).reshape(())
+def matryoshka_retrieval_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    matryoshka_dims: Sequence[int],
+    matryoshka_weights: Optional[Sequence[float]] = None,
+    normalize: bool = True,
+    key_ids: Optional[torch.Tensor] = None,
+    positive_ids: Optional[torch.Tensor] = None,
+    symmetric: bool = False,
+    group=None,
+    backend: str = "auto",
+    tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Matryoshka retrieval loss: the weighted sum of ``retrieval_loss`` over nested prefixes.
 
-    row_lse, col_lse = lse(query, key, scale_t, compute_col=symmetric, backend=backend, group=group,
-                           tile_size=tile_size)
-    pos = scale_t * (query.float() * key[labels].float()).sum(1)
+    With dims ``d_1 > d_2 > ...`` and weights ``w_i``::
 
-    # the rows taking part in a masked pair travel (with gradients); everything else stays
-    need_q = torch.unique(rows_g)
-    need_k = torch.unique(cols_g)
-    my_q = need_q[(need_q >= q_off[rank]) & (need_q < q_off[rank] + b)] - q_off[rank]
-    my_k = need_k[(need_k >= key_off[rank]) & (need_k < key_off[rank] + m)] - key_off[rank]
-    nq = [int(((need_q >= q_off[r]) & (need_q < q_off[r] + query_sizes[r])).sum()) for r in range(world)]
-    nk = [int(((need_k >= key_off[r]) & (need_k < key_off[r] + key_sizes[r])).sum()) for r in range(world)]
-    q_rows = all_gather_with_grad(query[my_q], nq, rank, group, reduce="all_reduce")
-    k_rows = all_gather_with_grad(key[my_k], nk, rank, group, reduce="all_reduce")
-    # position of global query/key index within the gathered rows (need_* is sorted by rank)
-    q_pos = torch.searchsorted(need_q, rows_g)
-    k_pos = torch.searchsorted(need_k, cols_g)
+        L = sum_i w_i * retrieval_loss(P_i(query), P_i(key), scale, labels, ...)
+        P_i(x) = normalize(x[:, :d_i])   if normalize else   x[:, :d_i]
 
-    # Every rank builds the same graph (no data-dependent branches, gathered rows always used),
-    # so the collectives of the backward run in the same order everywhere.
-    share = (row_lse - pos).sum() + 0.0 * (q_rows.float().sum() + k_rows.float().sum())
-    # row direction: pairs whose query lives here (possibly none)
-    mine = (rows_g >= q_off[rank]) & (rows_g < q_off[rank] + b)
-    x = scale_t * (q_rows[q_pos[mine]].float() * k_rows[k_pos[mine]].float()).sum(1)
-    share = share + _masked_lse_correction(row_lse, x, rows_g[mine] - q_off[rank]).sum()
-    share = share / num_queries
-    if symmetric:
-        col_term = (col_lse[labels] - pos).sum()
-        # column direction: pairs whose key is the positive of a query that lives here
-        is_pos_col = torch.isin(cols_g, labels + key_off[rank])
-        x = scale_t * (q_rows[q_pos[is_pos_col]].float() * k_rows[k_pos[is_pos_col]].float()).sum(1)
-        corr = _masked_lse_correction(col_lse, x, cols_g[is_pos_col] - key_off[rank])
-        col_term = col_term + corr[labels].sum()
-        share = (share + col_term / num_queries) / 2
-    return global_sum_with_grad(share, world, group)
+    Each term is the exact global-batch InfoNCE of ``retrieval_loss`` (tiled LSE, ring across
+    ranks), with the same false-negative masking; the pairs to mask are found, and their rows
+    gathered, once for all dims. The embeddings are computed once by the caller: gradients of all
+    terms meet in ``query`` and ``key``.
+
+    This is sentence-transformers' ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model),
+    matryoshka_dims, matryoshka_weights)`` when ``normalize=True`` (it truncates, then
+    L2-normalizes each prefix; the full dimension is re-normalized too, a no-op up to rounding on
+    normalized embeddings), with ``scale`` 20, one rank and no repeated texts.
+
+    Args:
+        query: ``[b, c]`` local query embeddings.
+        key: ``[m, c]`` local key embeddings (positives and hard negatives, any order).
+        scale: ``1 / temperature`` (float, or a tensor that receives a gradient), the same for every
+            dim.
+        labels: ``[b]`` local index of each query's positive key (default ``arange(b)``).
+        matryoshka_dims: distinct prefix lengths, largest first, each ``<= c`` (e.g.
+            ``[768, 512, 256, 128, 64]``; include ``c`` to train the full embedding too).
+        matryoshka_weights: one finite weight ``>= 0`` per dim (default all 1).
+        normalize: L2-normalize each prefix (cosine similarity). False scores prefixes by their
+            dot product (no normalization anywhere).
+        key_ids, positive_ids, symmetric, group, backend, tile_size: as in ``retrieval_loss``.
+
+    Shapes:
+        ``query [b, c]``, ``key [m, c]``, ``labels [b]``, ``key_ids [m]``, ``positive_ids [b, P]``.
+
+    Returns:
+        0-dim float32 global loss (the same on every rank); after the data-parallel mean of the
+        gradients every parameter gets the gradient of the global-batch loss.
+
+    Raises:
+        ValueError: dims empty, not positive integers, duplicated, not descending, or above ``c``;
+            weights of the wrong length, negative or not finite; the errors of ``retrieval_loss``.
+    """
+    group_r, _, _ = _resolve_group(group)
+    with agree_on_input_errors(group_r):  # a rank's bad input stops every rank (no hang)
+        if query.dim() != 2:
+            raise ValueError(f"query must be [b, c], got shape {tuple(query.shape)}")
+        dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, query.shape[1])
+    prefixes = [(functools.partial(_prefix, dim=d, normalize=normalize), w) for d, w in zip(dims, weights)]
+    return _retrieval_loss_over_prefixes(
+        query, key, scale, labels, key_ids, positive_ids, prefixes, symmetric=symmetric, group=group,
+        backend=backend, tile_size=tile_size,
+    )
+
+
+def retrieval_loss_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    key_ids: Optional[torch.Tensor] = None,
+    positive_ids: Optional[torch.Tensor] = None,
+    symmetric: bool = False,
+    matryoshka_dims: Optional[Sequence[int]] = None,
+    matryoshka_weights: Optional[Sequence[float]] = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Materialized float64 reference of ``retrieval_loss`` / ``matryoshka_retrieval_loss`` on one
+    process (pass the gathered global batch and global labels).
+
+    Forms the full ``[B, M]`` logits of each prefix, sets masked pairs to ``-inf`` (a key whose id
+    is among query i's ``positive_ids``, other than i's labelled key) and takes log-softmax
+    cross-entropies. For tests and small batches only: memory is ``O(B M)``.
+    """
+    q64, k64 = query.double(), key.double()
+    b = q64.shape[0]
+    lab = torch.arange(b, device=q64.device) if labels is None else labels.to(q64.device).long()
+    s = scale.double() if torch.is_tensor(scale) else float(scale)
+    mask = torch.zeros(b, k64.shape[0], dtype=torch.bool, device=q64.device)
+    if key_ids is not None:
+        ids = key_ids.to(q64.device).long()
+        pos_ids = ids[lab][:, None] if positive_ids is None else positive_ids.to(q64.device).long()
+        mask = (ids[None, :, None] == pos_ids[:, None, :]).any(-1)
+        mask[torch.arange(b), lab] = False
+    if matryoshka_dims is None:
+        terms = [(q64, k64, 1.0)]
+    else:
+        dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, q64.shape[1])
+        terms = [(_prefix(q64, d, normalize), _prefix(k64, d, normalize), w) for d, w in zip(dims, weights)]
+    total = torch.zeros((), dtype=torch.float64, device=q64.device)
+    for q, k, w in terms:
+        x = s * q @ k.T
+        xm = x.masked_fill(mask, float("-inf"))
+        pos = x[torch.arange(b), lab]
+        loss = (torch.logsumexp(xm, 1) - pos).mean()
+        if symmetric:
+            loss = (loss + (torch.logsumexp(xm, 0)[lab] - pos).mean()) / 2
+        total = total + w * loss
+    return total
 
 
 class RetrievalLoss(nn.Module):
@@ -236,6 +492,13 @@ class RetrievalLoss(nn.Module):
         symmetric: add the document-to-query term over the positive keys.
         mask_false_negatives: use ``key_ids`` / ``positive_ids`` when given.
         learnable_scale: make ``log(scale)`` a parameter (off by default for retrieval).
+        matryoshka_dims: nested prefix lengths, largest first (e.g. ``[768, 256, 64]``); the loss
+            becomes ``sum_i w_i * loss(prefix_i)`` (``matryoshka_retrieval_loss``). ``None``: the
+            plain loss on the full embedding.
+        matryoshka_weights: one weight per dim (default all 1).
+        matryoshka_normalize: L2-normalize each prefix (cosine; default True, what
+            sentence-transformers' ``MatryoshkaLoss`` does). Set False for dot-product models whose
+            embeddings are not normalized.
         group, backend, tile_size: see ``ds_infcl.loss.contrastive_loss``.
 
     Inputs: ``query [b, c]``, ``key [m, c]``, ``labels [b]``, optional ``key_ids [m]`` and
@@ -243,11 +506,13 @@ class RetrievalLoss(nn.Module):
 
     Relations: with ``scale=20``, normalized embeddings, one rank and no repeated texts it equals
     sentence-transformers' ``MultipleNegativesRankingLoss``; ``symmetric=True`` equals
-    ``MultipleNegativesSymmetricRankingLoss`` (without hard negatives).
+    ``MultipleNegativesSymmetricRankingLoss`` (without hard negatives); with ``matryoshka_dims``
+    it equals ``MatryoshkaLoss(model, MultipleNegativesRankingLoss(model), matryoshka_dims,
+    matryoshka_weights)``.
 
     Example::
 
-        loss_fn = RetrievalLoss(scale=20.0)
+        loss_fn = RetrievalLoss(scale=20.0, matryoshka_dims=[384, 128, 32])
         loss = loss_fn(q, k, labels, key_ids=text_ids(key_texts))
     """
 
@@ -259,6 +524,9 @@ class RetrievalLoss(nn.Module):
         symmetric: bool = False,
         mask_false_negatives: bool = True,
         learnable_scale: bool = False,
+        matryoshka_dims: Optional[Sequence[int]] = None,
+        matryoshka_weights: Optional[Sequence[float]] = None,
+        matryoshka_normalize: bool = True,
         group=None,
         backend: str = "auto",
         tile_size: Optional[int] = None,
@@ -280,6 +548,15 @@ class RetrievalLoss(nn.Module):
             self.register_buffer("logit_scale", value)
         self.symmetric = symmetric
         self.mask_false_negatives = mask_false_negatives
+        if matryoshka_dims is None:
+            if matryoshka_weights is not None:
+                raise ValueError("matryoshka_weights is set but matryoshka_dims is None: give the dims "
+                                 "(largest first) or drop the weights")
+            self.matryoshka_dims = self.matryoshka_weights = None
+        else:
+            self.matryoshka_dims, self.matryoshka_weights = check_matryoshka(matryoshka_dims, matryoshka_weights)
+        self.matryoshka_normalize = bool(matryoshka_normalize)
+        self._warned_partial = False
         self.group = group
         self.backend = backend
         self.tile_size = tile_size
@@ -292,14 +569,31 @@ class RetrievalLoss(nn.Module):
         if not self.mask_false_negatives:
             key_ids = positive_ids = None
         scale = self.scale if isinstance(self.logit_scale, nn.Parameter) else float(self.scale)
-        return retrieval_loss(
-            query, key, scale, labels, key_ids=key_ids, positive_ids=positive_ids,
-            symmetric=self.symmetric, group=self.group, backend=self.backend, tile_size=self.tile_size,
+        if self.matryoshka_dims is None:
+            return retrieval_loss(
+                query, key, scale, labels, key_ids=key_ids, positive_ids=positive_ids,
+                symmetric=self.symmetric, group=self.group, backend=self.backend, tile_size=self.tile_size,
+            )
+        if not self._warned_partial and query.dim() == 2 and self.matryoshka_dims[0] < query.shape[1]:
+            self._warned_partial = True
+            warnings.warn(f"matryoshka_dims {list(self.matryoshka_dims)} leave out the full embedding dimension "
+                          f"{query.shape[1]}: the full embedding is trained only through its prefixes; add "
+                          f"{query.shape[1]} as the first dim to train it too", stacklevel=2)
+        return matryoshka_retrieval_loss(
+            query, key, scale, labels, matryoshka_dims=self.matryoshka_dims,
+            matryoshka_weights=self.matryoshka_weights, normalize=self.matryoshka_normalize, key_ids=key_ids,
+            positive_ids=positive_ids, symmetric=self.symmetric, group=self.group, backend=self.backend,
+            tile_size=self.tile_size,
         )
 
     def extra_repr(self) -> str:
-        return (f"scale={float(self.scale):.4g}, symmetric={self.symmetric}, "
+        text = (f"scale={float(self.scale.detach()):.4g}, symmetric={self.symmetric}, "
                 f"mask_false_negatives={self.mask_false_negatives}")
+        if self.matryoshka_dims is not None:
+            text += (f", matryoshka_dims={list(self.matryoshka_dims)}, "
+                     f"matryoshka_weights={list(self.matryoshka_weights)}, "
+                     f"matryoshka_normalize={self.matryoshka_normalize}")
+        return text
 
 
 def keys_and_labels(num_queries: int, num_negatives: int, layout: str = "grouped_by_column"):
