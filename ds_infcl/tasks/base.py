@@ -165,6 +165,11 @@ class Task:
             return build_fastclip_loss(
                 loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **args
             )
+        if getattr(loss_config, "matryoshka_dims", None):
+            from ds_infcl.errors import ConfigError
+
+            raise ConfigError(f"loss.matryoshka_dims: task {getattr(self, 'name', type(self).__name__)!r} does not "
+                              "support it (the retrieval task does)")
         defaults = getattr(self, "loss_defaults", None)
         kwargs = dict(defaults()) if callable(defaults) else {}
         for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):

@@ -77,6 +77,9 @@ class RetrievalTask:
             in an epoch are counted, printed per epoch and reported in the run summary.
         heldout_fraction: for ``"chatterbot"``: held-out share of the questions.
         eval_batch_size: texts per forward in ``evaluate``.
+        beir_data, beir_split: a BEIR-format folder (``corpus.jsonl``, ``queries.jsonl``,
+            ``qrels/<split>.tsv``) evaluated by ``evaluate`` (NDCG@10, MRR@10, Recall@100 as
+            ``beir/...``; exact search in chunks on the device). Read and checked at load.
         seed: data seed (the trainer's seed is added to it).
     """
 
@@ -99,6 +102,8 @@ class RetrievalTask:
         duplicates: str = "defer",
         heldout_fraction: float = 0.2,
         eval_batch_size: int = 256,
+        beir_data: Optional[str] = None,
+        beir_split: str = "test",
         seed: int = 0,
     ):
         if num_negatives < 0:
@@ -145,6 +150,14 @@ class RetrievalTask:
             raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
         if num_negatives > 0:
             _check_hard_negatives(self.examples, num_negatives)
+        self.beir = None
+        if beir_data is not None:
+            from ds_infcl.adapters.beir_eval import load_beir
+
+            try:
+                self.beir = load_beir(beir_data, beir_split)
+            except ValueError as e:
+                raise ConfigError(f"task.args.beir_data: {e}") from None
         if model_path is None:
             from ds_infcl.adapters.retrieval import default_model_path
 
@@ -172,7 +185,8 @@ class RetrievalTask:
 
     def build_loss(self, loss_config) -> RetrievalLoss:
         """``RetrievalLoss`` with the run config's ``loss`` section applied (``symmetric``,
-        ``learnable_scale``, ``init_logit_scale``, ``backend``, ``tile_size``)."""
+        ``learnable_scale``, ``init_logit_scale``, ``backend``, ``tile_size``, ``matryoshka_dims``
+        and ``matryoshka_weights``)."""
         import math
 
         if getattr(loss_config, "impl", "infcl") != "infcl":
@@ -184,6 +198,9 @@ class RetrievalTask:
             scale=scale, symmetric=bool(loss_config.symmetric) if loss_config.symmetric is not None else False,
             learnable_scale=bool(loss_config.learnable_scale), mask_false_negatives=self.mask_false_negatives,
             backend=loss_config.backend, tile_size=loss_config.tile_size,
+            **({"matryoshka_dims": list(loss_config.matryoshka_dims),
+                "matryoshka_weights": None if loss_config.matryoshka_weights is None else list(loss_config.matryoshka_weights)}
+               if getattr(loss_config, "matryoshka_dims", None) else {}),
         )
 
     def _tokenizer_side(self, side: str):
@@ -274,6 +291,12 @@ class RetrievalTask:
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
         """Held-out NDCG@10, MRR@10, Recall@1/10/100 (when the data has a held-out split)."""
         metrics: Dict[str, float] = {"malformed_records": float(self.tally.total)}
+        if self.beir is not None:  # every rank runs it alike (ZeRO-3 forwards are collective)
+            from ds_infcl.adapters.beir_eval import TokenizingEmbedder, evaluate_beir
+
+            result = evaluate_beir(TokenizingEmbedder(encoder, self.build_towers()), self.beir,
+                                   batch_size=self.eval_batch_size, device=encoder.device, progress=False)
+            metrics.update({f"beir/{k}": float(v) for k, v in result.items()})
         if not self.queries:
             return metrics
 

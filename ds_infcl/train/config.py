@@ -75,7 +75,10 @@ class LossConfig:
     ``sogclr``, ``isogclr``): ``FastCLIPLoss`` built with ``args`` (``num_samples`` from the task's data when it can tell,
     e.g. ``steps_per_epoch``); ``args`` is only used by those. ``impl: siglip`` is SigLIP's sigmoid
     loss (``SigLIPLoss``: learnable scale and bias, init ``log 10`` and ``init_logit_bias`` -10;
-    ``learnable_scale: false`` fixes both; ``symmetric`` does not apply)."""
+    ``learnable_scale: false`` fixes both; ``symmetric`` does not apply). ``matryoshka_dims`` (with
+optional ``matryoshka_weights``, default 1 each): the retrieval task's loss over nested prefixes of
+the embedding (for example ``[768, 512, 256, 128, 64]``), each an exact global InfoNCE, weighted and
+summed as sentence-transformers' ``MatryoshkaLoss``."""
 
     impl: str = "infcl"
     backend: str = "auto"
@@ -85,6 +88,8 @@ class LossConfig:
     max_logit_scale: Optional[float] = None
     learnable_scale: Optional[bool] = None
     init_logit_bias: Optional[float] = None
+    matryoshka_dims: Optional[List[int]] = None
+    matryoshka_weights: Optional[List[float]] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,13 +148,16 @@ class CheckpointConfig:
     (step, data position, RNG) every ``every_steps`` steps (0 = never) and at the end; ``dir``
     defaults to ``<output_dir>/checkpoints``; ``keep_last`` (0 = all) deletes older ones. With
     ``export_final`` a task that has ``save_pretrained(folder, towers, logit_scale)`` writes the
-    final model to ``<output_dir>/final_model`` (a folder its adapter loads)."""
+    final model to ``<output_dir>/final_model`` (a folder its adapter loads), its weights taken from
+    the optimizer's float32 masters and written in ``export_dtype`` (``float32``, ``bfloat16`` or
+    ``float16``; the logit scale and bias stay float32)."""
 
     dir: Optional[str] = None
     every_steps: int = 0
     at_end: bool = True
     keep_last: int = 0
     export_final: bool = True
+    export_dtype: str = "float32"
 
 
 @dataclass
@@ -332,6 +340,14 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError(
             f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"
         )
+    dims, weights = cfg.loss.matryoshka_dims, cfg.loss.matryoshka_weights
+    if dims is not None:
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ConfigError(f"loss.matryoshka_dims: a non-empty list of positive integers, got {dims!r}")
+        if cfg.loss.impl != "infcl":
+            raise ConfigError(f"loss.matryoshka_dims: used with loss.impl 'infcl' (the retrieval task); loss.impl is {cfg.loss.impl!r}")
+    if weights is not None and (dims is None or len(weights) != len(dims)):
+        raise ConfigError(f"loss.matryoshka_weights: one weight per entry of loss.matryoshka_dims, got {weights!r} for {dims!r}")
     _allowed("loss.backend", cfg.loss.backend, BACKENDS)
     _positive("loss.tile_size", cfg.loss.tile_size)
     if (
@@ -344,6 +360,7 @@ def _validate(cfg: RunConfig) -> None:
             f"{cfg.loss.max_logit_scale}"
         )
     _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _allowed("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16", "float16"))
     _positive("batch.global_batch_size", cfg.batch.global_batch_size)
     _positive("batch.chunk_size", cfg.batch.chunk_size)
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:

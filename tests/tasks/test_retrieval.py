@@ -135,3 +135,37 @@ def test_faq_data_loses_no_example_and_counts_what_it_leaves_out(tmp_path, capsy
     with pytest.raises(ConfigError, match="mask_false_negatives"):
         get_task("retrieval", {"data": str(tmp_path / "faq.jsonl"), "model_path": str(tmp_path / "tiny"),
                                "mask_false_negatives": False})
+
+
+def test_beir_folder_evaluated_by_the_task(tmp_path):
+    # Issue 15: the trainer's evaluation on a BEIR-format folder (read and checked at load); the
+    # task's numbers equal the command's on the same encoder.
+    from tests.adapters.test_beir_eval import write_beir
+    from ds_infcl.adapters.beir_eval import evaluate_beir, load_encoder
+    from ds_infcl.errors import ConfigError
+    from ds_infcl.tasks.base import get_task
+
+    make_tiny_model_dir(str(tmp_path / "tiny"))
+    _data(tmp_path / "train.jsonl")
+    write_beir(tmp_path / "beir")
+    with pytest.raises(ConfigError, match="task.args.beir_data"):
+        get_task("retrieval", {"data": str(tmp_path / "train.jsonl"), "model_path": str(tmp_path / "tiny"),
+                               "beir_data": str(tmp_path / "nope")})
+    task = get_task("retrieval", {"data": str(tmp_path / "train.jsonl"), "model_path": str(tmp_path / "tiny"),
+                                  "beir_data": str(tmp_path / "beir"), "max_seq_length": 16})
+    towers = task.build_towers()
+
+    class Encoder:  # what the engine hands to evaluate(): towers without gradients
+        device = torch.device("cpu")
+
+        def encode_query(self, inputs):
+            return towers.encode_query(inputs)
+
+        def encode_key(self, inputs):
+            return towers.encode_key(inputs)
+
+    towers.eval()
+    metrics = task.evaluate(Encoder(), step=0)
+    ref = evaluate_beir(load_encoder(str(tmp_path / "tiny"), max_seq_length=16), str(tmp_path / "beir"), progress=False)
+    for key in ("ndcg@10", "mrr@10", "recall@100"):
+        assert metrics[f"beir/{key}"] == pytest.approx(float(ref[key]), abs=1e-5)
