@@ -198,10 +198,29 @@ class RetrievalTask:
             scale=scale, symmetric=bool(loss_config.symmetric) if loss_config.symmetric is not None else False,
             learnable_scale=bool(loss_config.learnable_scale), mask_false_negatives=self.mask_false_negatives,
             backend=loss_config.backend, tile_size=loss_config.tile_size,
-            **({"matryoshka_dims": list(loss_config.matryoshka_dims),
-                "matryoshka_weights": None if loss_config.matryoshka_weights is None else list(loss_config.matryoshka_weights)}
-               if getattr(loss_config, "matryoshka_dims", None) else {}),
+            **self._matryoshka_args(loss_config),
         )
+
+    def _matryoshka_args(self, loss_config) -> Dict[str, Any]:
+        dims = getattr(loss_config, "matryoshka_dims", None)
+        if not dims:
+            return {}
+        from ds_infcl.loss.retrieval import check_matryoshka
+
+        weights = loss_config.matryoshka_weights
+        try:
+            check_matryoshka(list(dims), None if weights is None else list(weights), self.build_towers().embedding_dim)
+        except ValueError as e:
+            raise ConfigError(f"loss.matryoshka_dims: {e}") from None
+        return {"matryoshka_dims": list(dims), "matryoshka_weights": None if weights is None else list(weights),
+                "matryoshka_normalize": self._normalizes()}
+
+    def _normalizes(self) -> bool:
+        """Whether the encoders L2-normalize their embeddings (then each prefix is re-normalized, as
+        sentence-transformers' MatryoshkaLoss does for cosine similarity)."""
+        if self.encoder_args.get("normalize") is not None:
+            return bool(self.encoder_args["normalize"])
+        return any(type(m).__name__ == "Normalize" for m in self.build_towers().query_model.modules())
 
     def _tokenizer_side(self, side: str):
         towers = self.build_towers()

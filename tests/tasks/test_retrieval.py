@@ -31,6 +31,8 @@ def _run(tmp, name, *, world, grad_cache):
                  "args": {"data": str(tmp / "train.jsonl"), "model_path": str(tmp / "tiny"), "num_negatives": 1,
                           "max_seq_length": 16}},
         "batch": {"global_batch_size": 12, "grad_cache": grad_cache, "chunk_size": 2 if grad_cache else None},
+        # Matryoshka over the 32-dim embedding: each prefix an exact global loss on both layouts.
+        "loss": {"matryoshka_dims": [32, 16, 8], "matryoshka_weights": [1.0, 0.5, 0.25]},
         "train": {"num_steps": 3, "seed": 0},
         "eval": {"every_steps": 0, "at_end": False},
         "logging": {"every_steps": 1, "progress_bar": False},
@@ -169,3 +171,22 @@ def test_beir_folder_evaluated_by_the_task(tmp_path):
     ref = evaluate_beir(load_encoder(str(tmp_path / "tiny"), max_seq_length=16), str(tmp_path / "beir"), progress=False)
     for key in ("ndcg@10", "mrr@10", "recall@100"):
         assert metrics[f"beir/{key}"] == pytest.approx(float(ref[key]), abs=1e-5)
+
+
+def test_matryoshka_dims_checked_at_load(tmp_path):
+    from ds_infcl.errors import ConfigError
+    from ds_infcl.tasks.base import build_loss, get_task
+    from ds_infcl.train.config import LossConfig
+
+    make_tiny_model_dir(str(tmp_path / "tiny"))
+    _data(tmp_path / "train.jsonl")
+    task = get_task("retrieval", {"data": str(tmp_path / "train.jsonl"), "model_path": str(tmp_path / "tiny")})
+    with pytest.raises(ConfigError, match="loss.matryoshka_dims"):
+        build_loss(task, LossConfig(matryoshka_dims=[64, 16]))  # the embedding has 32 dims
+    loss = build_loss(task, LossConfig(matryoshka_dims=[32, 8]))
+    q = torch.nn.functional.normalize(torch.randn(4, 32), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(4, 32), dim=-1)
+    plain = build_loss(task, LossConfig())
+    expected = plain(q, k) + plain(torch.nn.functional.normalize(q[:, :8], dim=-1),
+                                   torch.nn.functional.normalize(k[:, :8], dim=-1))
+    assert loss(q, k).item() == pytest.approx(expected.item(), rel=1e-5)
