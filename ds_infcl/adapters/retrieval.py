@@ -1,3 +1,6 @@
+# Over 500 lines on purpose: the encoders and everything that configures them (pooling, tokenizer
+# and EOS, instruction templates, checkpointing, LoRA) are one job; RetrievalEncoders checks these
+# options against each other before it loads a possibly large model.
 """Dense retrieval on ds_infcl: encoders, GradCache-style chunked encoding, and saving a folder
 that ``SentenceTransformer(path)`` loads.
 
@@ -7,6 +10,12 @@ or a plain ``transformers`` folder; query and document towers share weights by d
 ``last``), L2 normalization and per-side text prefixes are options; ``encode_query`` /
 ``encode_key`` take tokenized features and give ``[n, c]`` embeddings (the trainer's tower
 contract). Texts are compared through 64-bit ids (``text_ids``, ``feature_ids``).
+
+Decoder embedders (E5-Mistral / GTE-Qwen: Qwen2, Llama, Mistral ... through ``AutoModel``) pool
+the last attended token of each row under left or right padding, get an EOS token appended by
+the tokenizer (``append_eos``), take per-side instruction templates (``query_template``), and can
+load in bf16 (``dtype``), checkpoint their layers (``gradient_checkpointing``) and train LoRA
+adapters only (``lora``, through ``peft``).
 
 The loss with false-negative masking (``RetrievalLoss``, ``retrieval_loss``) lives in
 ``ds_infcl.loss.retrieval`` and is re-exported here; the export helpers (model card) in
@@ -18,7 +27,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from typing import Dict, List, Optional, Sequence
+import string
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -39,6 +50,10 @@ __all__ = [
     "keys_and_labels",
     "default_model_path",
     "positive_id_matrix",
+    "is_decoder_model",
+    "configure_decoder_tokenizer",
+    "render_template",
+    "LORA_KEYS",
 ]
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
@@ -109,6 +124,34 @@ def _st_modules():
     return modules
 
 
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def _resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """``None`` (the folder's own dtype as transformers loads it), a name from ``_DTYPES`` or a
+    floating ``torch.dtype``."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be None or one of {sorted(_DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def is_decoder_model(config) -> bool:
+    """True for decoder-only language models (Qwen2, Llama, Mistral, Gemma ...): a causal-LM
+    architecture of ``transformers`` that has no masked-LM head (BERT-like encoders have both)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
 def load_sentence_transformer(
     path: str,
     *,
@@ -116,27 +159,33 @@ def load_sentence_transformer(
     normalize: Optional[bool] = None,
     max_seq_length: Optional[int] = None,
     device: str = "cpu",
+    dtype: Union[None, str, torch.dtype] = None,
 ):
     """A ``SentenceTransformer`` from a folder on disk (no network).
 
     A sentence-transformers folder (``modules.json``) loads as saved; a plain ``transformers``
-    folder becomes Transformer + Pooling (mean by default) + Normalize (by default).
-    ``pooling`` (``mean``, ``cls``, ``lasttoken`` or ``last``) and ``normalize`` override
-    what the folder says.
+    folder becomes Transformer + Pooling + Normalize (by default), the pooling being ``mean`` for
+    encoders and ``lasttoken`` for decoder-only models (``is_decoder_model``). ``pooling``
+    (``mean``, ``cls``, ``lasttoken`` or ``last``) and ``normalize`` override what the folder
+    says. ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype) loads the
+    transformer's weights in that dtype.
     """
     from sentence_transformers import SentenceTransformer
 
     if pooling is not None and pooling not in _POOLING_ALIASES:
         raise ValueError(f"pooling must be one of {sorted(_POOLING_ALIASES)}, got {pooling!r}")
+    torch_dtype = _resolve_dtype(dtype)
     if not os.path.isdir(path):
         raise ValueError(f"model path {path!r} is not a directory (no hub downloads at run time)")
+    model_kwargs = {"dtype": torch_dtype} if torch_dtype is not None else None
     m = _st_modules()
     if os.path.exists(os.path.join(path, "modules.json")):
-        model = SentenceTransformer(path, device=device, local_files_only=True)
+        model = SentenceTransformer(path, device=device, local_files_only=True, model_kwargs=model_kwargs)
     else:
-        transformer = m.Transformer(path)
+        transformer = m.Transformer(path, model_kwargs=model_kwargs)
         dim = _embedding_dim(transformer)
-        mods = [transformer, m.Pooling(dim, pooling_mode=_POOLING_ALIASES[pooling or "mean"])]
+        default_pooling = "lasttoken" if is_decoder_model(transformer.config) else "mean"
+        mods = [transformer, m.Pooling(dim, pooling_mode=_POOLING_ALIASES[pooling or default_pooling])]
         if normalize is None or normalize:
             mods.append(m.Normalize())
         model = SentenceTransformer(modules=mods, device=device)
@@ -196,6 +245,210 @@ def encode_chunked(
     return torch.cat(outs)
 
 
+# ----------------------------------------------------------------------------------------------
+# Decoder embedders: tokenizer, templates, gradient checkpointing, LoRA
+# ----------------------------------------------------------------------------------------------
+
+
+def _transformer_module(model, what: str):
+    """The sentence-transformers ``Transformer`` module that starts ``model``."""
+    first = model[0] if len(model) else None
+    if first is None or not hasattr(first, "auto_model"):
+        raise ValueError(
+            f"{what} needs a model whose first module is a sentence-transformers Transformer, got "
+            f"{type(first).__name__}; load a transformers folder or a sentence-transformers folder built on one"
+        )
+    return first
+
+
+def _appends_eos(tokenizer) -> bool:
+    """Whether ``tokenizer`` ends a tokenized text with its EOS token (a test tokenization)."""
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+
+
+def configure_decoder_tokenizer(tokenizer, *, append_eos: bool = True, padding_side: Optional[str] = None,
+                                set_pad_token: bool = True) -> Dict[str, Any]:
+    """Make ``tokenizer`` fit for last-token pooling, in place; returns what it found and did.
+
+    - ``append_eos``: when a test tokenization shows no EOS at the end, the fast tokenizer's
+      post-processor is extended to append ``eos_token`` to every text (as E5-Mistral and
+      GTE-Qwen embed). Truncation then keeps room for it. Tokenizers whose saved config pins
+      ``add_eos_token``/``add_bos_token`` get ``add_eos_token = True`` instead, so that the
+      saved tokenizer reloads the same way.
+    - ``padding_side``: ``"left"`` or ``"right"`` (``None`` keeps the tokenizer's). Last-token
+      pooling reads the attention mask, so both sides give the same embeddings.
+    - ``set_pad_token``: a tokenizer without a pad token (Llama, Mistral) pads with EOS.
+    """
+    from tokenizers import processors
+
+    if padding_side not in (None, "left", "right"):
+        raise ValueError(f"padding_side must be None, 'left' or 'right', got {padding_side!r}")
+    done: Dict[str, Any] = {"eos_token": tokenizer.eos_token, "eos_appended_by": None, "pad_token_set": False}
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
+    if set_pad_token and tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"{type(tokenizer).__name__} has neither a pad token nor an EOS token to pad with; "
+                "give the tokenizer a pad_token (tokenizer.pad_token = ...) and save it with the model"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        done["pad_token_set"] = True
+    if not append_eos:
+        return done
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"append_eos=True but {type(tokenizer).__name__} has no eos_token; pass append_eos=False "
+            "or give the tokenizer an eos_token"
+        )
+    if _appends_eos(tokenizer):
+        done["eos_appended_by"] = "tokenizer"
+        return done
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"append_eos=True needs a fast (tokenizers-backed) tokenizer, got {type(tokenizer).__name__}; "
+            "convert it to a fast tokenizer or pass append_eos=False and add the EOS to the texts"
+        )
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    pinned = "add_eos_token" in tokenizer.init_kwargs or "add_bos_token" in tokenizer.init_kwargs
+    if pinned and isinstance(getattr(type(tokenizer), "add_eos_token", None), property):
+        # transformers rebuilds this tokenizer's post-processor from its flags when it loads it
+        tokenizer.add_eos_token = True
+        tokenizer.init_kwargs["add_eos_token"] = True
+    else:
+        append = processors.TemplateProcessing(
+            single=f"$A:0 {eos}:0", pair=f"$A:0 $B:1 {eos}:1", special_tokens=[(eos, eos_id)]
+        )
+        old = backend.post_processor
+        backend.post_processor = append if old is None else processors.Sequence([old, append])
+    if not _appends_eos(tokenizer):
+        raise ValueError(
+            f"could not make {type(tokenizer).__name__} append {eos!r}; pass append_eos=False and add the "
+            "EOS to the texts yourself"
+        )
+    done["eos_appended_by"] = "ds_infcl"
+    return done
+
+
+_TEMPLATE_FIELDS = ("task", "text")
+
+
+def render_template(template: str, task_description: Optional[str], name: str = "template") -> str:
+    """The text prefix that ``template`` puts before each text.
+
+    ``template`` holds ``{text}`` once, at its end, and optionally ``{task}`` (filled with
+    ``task_description``), e.g. ``"Instruct: {task}\\nQuery: {text}"`` (E5-Mistral). Literal
+    braces are written ``{{`` and ``}}``. The text must come last so that the saved folder can
+    carry the template as a sentence-transformers prompt (a prefix).
+    """
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(
+            f"{name} {template!r} is not a valid format string ({e}); write literal braces as {{{{ }}}}"
+        ) from None
+    unknown = sorted(set(fields) - set(_TEMPLATE_FIELDS))
+    if unknown:
+        raise ValueError(f"{name} {template!r} has unknown fields {unknown}; the fields are {{task}} and {{text}}")
+    if fields.count("text") != 1 or not template.endswith("{text}"):
+        raise ValueError(
+            f"{name} {template!r} must hold {{text}} exactly once, at its end (the saved folder stores the "
+            "template as a prompt, which is a prefix); e.g. \"Instruct: {task}\\nQuery: {text}\""
+        )
+    if "task" in fields and task_description is None:
+        raise ValueError(f"{name} {template!r} uses {{task}}: pass task_description=\"...\" as well")
+    return template[: -len("{text}")].format(task=task_description)
+
+
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+
+
+def _check_lora(lora: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Validated LoRA options with defaults: ``r`` (required), ``alpha`` (default ``r``),
+    ``dropout`` (0.0), ``target_modules`` (``None``: peft's default for the architecture)."""
+    if lora is None:
+        return None
+    if not isinstance(lora, dict):
+        raise ValueError(f"lora must be a dict with keys {list(LORA_KEYS)}, got {type(lora).__name__}")
+    unknown = sorted(set(lora) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"lora: unknown keys {unknown}; the keys are {list(LORA_KEYS)}")
+    r = lora.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"lora['r'] must be a positive integer (the adapter rank, e.g. 8), got {r!r}")
+    alpha = lora.get("alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"lora['alpha'] must be a positive number (e.g. 2 * r), got {alpha!r}")
+    dropout = lora.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora['dropout'] must be in [0, 1), got {dropout!r}")
+    targets = lora.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    if targets is not None and (not targets or not all(isinstance(t, str) and t for t in targets)):
+        raise ValueError(
+            f"lora['target_modules'] must be a non-empty list of module names (e.g. [\"q_proj\", \"v_proj\"]) "
+            f"or None, got {lora.get('target_modules')!r}"
+        )
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": list(targets) if targets else None}
+
+
+def _apply_lora(model, lora: Dict[str, Any]) -> None:
+    """Wrap ``model``'s transformer in a peft ``PeftModel`` with LoRA adapters; every other weight
+    of ``model`` is frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ImportError("lora=... needs `pip install peft` (ds_infcl[retrieval])") from None
+    transformer = _transformer_module(model, "lora")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                        target_modules=lora["target_modules"], bias="none")
+    try:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            transformer.model = get_peft_model(transformer.model, config)
+    except ValueError as e:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, mod in transformer.model.named_modules()
+                         if isinstance(mod, nn.Linear)})
+        raise ValueError(f"lora['target_modules']={lora['target_modules']!r}: {e}; this model's linear layers "
+                         f"are named {linear}") from None
+
+
+def _is_lora(model) -> bool:
+    """Whether ``model``'s transformer is wrapped by peft."""
+    return len(model) > 0 and hasattr(getattr(model[0], "model", None), "peft_config")
+
+
+def _enable_gradient_checkpointing(model) -> None:
+    transformer = _transformer_module(model, "gradient_checkpointing")
+    hf = transformer.auto_model
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(hf).__name__} does not support gradient checkpointing; pass gradient_checkpointing=False"
+        )
+    # non-reentrant: nests inside encode_chunked's checkpoint and needs no input that requires grad.
+    # transformers >= 5.x names it activation_checkpointing_enable (gradient_checkpointing_enable is
+    # its deprecated alias).
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _side_prefix(side: str, prefix: str, template: Optional[str], task_description: Optional[str]) -> str:
+    if template is None:
+        return prefix
+    if prefix:
+        raise ValueError(f"give either {side}_prefix or {side}_template, not both (a template's text before "
+                         "{text} is its prefix)")
+    return render_template(template, task_description, f"{side}_template")
+
+
 class RetrievalEncoders(nn.Module):
     """Query and document towers from a sentence-transformers or transformers folder on disk.
 
@@ -203,18 +456,44 @@ class RetrievalEncoders(nn.Module):
         path: the model folder.
         separate: give the documents their own copy of the weights (default: shared).
         pooling: ``mean``, ``cls`` or ``lasttoken`` (``last``); default: what the folder says
-            (mean for a plain transformers folder).
+            (mean for a plain transformers encoder folder, lasttoken for a decoder-only model).
         normalize: L2-normalize embeddings (default: what the folder says; True for a plain
             transformers folder).
         query_prefix, document_prefix: strings prepended to every query / document (saved as the
             ``query`` / ``document`` prompts of the sentence-transformers folder).
-        max_seq_length: truncation length.
+        max_seq_length: truncation length (in tokens, an appended EOS included).
         chunk_size: rows encoded at a time with gradients (GradCache-style; ``None``: all at once).
+        query_template, document_template: instruction templates instead of the prefixes, with
+            ``{text}`` at the end and optionally ``{task}``, e.g. E5-Mistral's
+            ``query_template="Instruct: {task}\\nQuery: {text}"`` and no document template; the
+            text before ``{text}`` becomes the side's prefix (and its saved prompt).
+        task_description: what ``{task}`` stands for in the templates.
+        append_eos: append the tokenizer's EOS token to every text when the tokenizer does not
+            (checked with a test tokenization); default True for decoder-only models, False
+            otherwise. The saved tokenizer appends it too.
+        padding_side: ``"left"`` or ``"right"``; default: the tokenizer's. Last-token pooling
+            takes the last attended token of each row whatever the side.
+        dtype: load the weights in ``"bfloat16"``, ``"float16"`` or ``"float32"`` (default: as
+            transformers loads the folder).
+        gradient_checkpointing: checkpoint the transformer's layers (non-reentrant, so it nests in
+            ``encode_chunked``'s chunk checkpoints; dropout masks are replayed exactly).
+        lora: train LoRA adapters only (``peft``): ``{"r": 8, "alpha": 16, "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}`` (``alpha`` defaults
+            to ``r``, ``dropout`` to 0, ``target_modules`` to peft's choice for the
+            architecture). Every other weight is frozen (``requires_grad=False``); ``save``
+            writes the merged model and the adapter (``adapter/``).
 
     ``encode_query(features)`` / ``encode_key(features)`` map tokenized features to ``[n, c]``;
     ``tokenize_queries(texts)`` / ``tokenize_documents(texts)`` add the prefixes and tokenize;
     ``embed_queries`` / ``embed_documents`` run without gradients for evaluation; ``save(path)``
     writes a folder that ``SentenceTransformer(path)`` loads.
+
+    Example (an E5-Mistral-style decoder embedder)::
+
+        enc = RetrievalEncoders("path/to/qwen2", query_template="Instruct: {task}\\nQuery: {text}",
+                                task_description="Given a question, retrieve passages that answer it",
+                                dtype="bfloat16", gradient_checkpointing=True, chunk_size=32,
+                                lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
     """
 
     def __init__(
@@ -228,16 +507,55 @@ class RetrievalEncoders(nn.Module):
         document_prefix: str = "",
         max_seq_length: Optional[int] = None,
         chunk_size: Optional[int] = None,
+        query_template: Optional[str] = None,
+        document_template: Optional[str] = None,
+        task_description: Optional[str] = None,
+        append_eos: Optional[bool] = None,
+        padding_side: Optional[str] = None,
+        dtype: Union[None, str, torch.dtype] = None,
+        gradient_checkpointing: bool = False,
+        lora: Optional[Dict[str, Any]] = None,
     ):
         super().__init__()
-        self.query_model = load_sentence_transformer(
-            path, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length
+        # every option is checked before the (possibly large) model is loaded
+        lora = _check_lora(lora)
+        query_prefix = _side_prefix("query", query_prefix, query_template, task_description)
+        document_prefix = _side_prefix("document", document_prefix, document_template, task_description)
+        if task_description is not None and not any("{task}" in (t or "") for t in (query_template, document_template)):
+            raise ValueError("task_description is set but no template uses {task}; put {task} in query_template")
+        if padding_side not in (None, "left", "right"):
+            raise ValueError(f"padding_side must be None, 'left' or 'right', got {padding_side!r}")
+        _resolve_dtype(dtype)
+        model = load_sentence_transformer(
+            path, pooling=pooling, normalize=normalize, max_seq_length=max_seq_length, dtype=dtype
         )
+        transformer = model[0] if len(model) and hasattr(model[0], "auto_model") else None
+        self.is_decoder = transformer is not None and is_decoder_model(transformer.config)
+        self.append_eos = self.is_decoder if append_eos is None else bool(append_eos)
+        self.tokenizer_changes: Dict[str, Any] = {}
+        if self.is_decoder or self.append_eos or padding_side is not None:
+            tokenizer = getattr(_transformer_module(model, "append_eos / padding_side"), "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("append_eos / padding_side need a text tokenizer; this model's processor has none")
+            self.tokenizer_changes = configure_decoder_tokenizer(
+                tokenizer, append_eos=self.append_eos, padding_side=padding_side, set_pad_token=self.is_decoder
+            )
+        if gradient_checkpointing:
+            _enable_gradient_checkpointing(model)
+        self.query_model = model
         self.separate = separate
         if separate:
             self.document_model = copy.deepcopy(self.query_model)
+        self.lora = lora
+        if lora is not None:
+            for tower in (self.query_model, self.document_model) if separate else (self.query_model,):
+                _apply_lora(tower, lora)
         self.query_prefix = query_prefix
         self.document_prefix = document_prefix
+        self.query_template = query_template
+        self.document_template = document_template
+        self.task_description = task_description
+        self.gradient_checkpointing = bool(gradient_checkpointing)
         self.chunk_size = chunk_size
 
     @property
