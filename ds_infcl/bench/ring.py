@@ -37,7 +37,10 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-IMPLS = ("infcl", "local", "disco", "vanilla")
+IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla")
+# infcl picks its algorithm by size (ds_infcl.loss.ring.choose_algorithm); infcl_ring and
+# infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
+_PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
 FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "backend", "ms",
           "extra_gib", "tflops", "single_gpu_ms", "weak_eff", "status"]
 
@@ -79,6 +82,14 @@ def _now_ms() -> float:
 
 def run_point(impl, b, c, dtype, group, args):
     """One (impl, b) point on ``group``: (median ms, extra GiB, status), reduced over the group."""
+    import os
+
+    if impl in _PINNED:
+        os.environ["DS_INFCL_ALGORITHM"] = _PINNED[impl]
+        try:
+            return run_point("infcl", b, c, dtype, group, args)
+        finally:
+            os.environ.pop("DS_INFCL_ALGORITHM", None)
     from ds_infcl.loss import contrastive_loss
 
     world = dist.get_world_size(group)
@@ -201,25 +212,32 @@ def main(argv=None) -> int:
     backend = resolve_backend(args.backend, torch.device(_DEVICE))
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-")
     rows = []
+    single_ms = {}
     for b in args.batch:
         for impl in args.impls:
             ms, extra, status = run_point(impl, b, args.dim, dtype, None, args)
             single = eff = float("nan")
-            if impl == "infcl" and status == "ok" and world > 1 and not args.no_weak_scaling:
-                s_ms, _, s_status = run_point("infcl", world * b, args.dim, dtype, solo, args)
-                # Ranks ran alone: agree on the status before reducing the times (no hang).
-                if _all_reduce(float(s_status == "ok"), dist.ReduceOp.MIN, None):
-                    single = _all_reduce(s_ms, dist.ReduceOp.MIN, None)
-                    eff = single / world / ms
+            if impl.startswith("infcl") and status == "ok" and world > 1 and not args.no_weak_scaling:
+                if b not in single_ms:  # one single-GPU run per b, shared by the infcl variants
+                    s_ms, _, s_status = run_point("infcl", world * b, args.dim, dtype, solo, args)
+                    # Ranks ran alone: agree on the status before reducing the times (no hang).
+                    ok = _all_reduce(float(s_status == "ok"), dist.ReduceOp.MIN, None)
+                    single_ms[b] = _all_reduce(s_ms, dist.ReduceOp.MIN, None) if ok else float("nan")
+                single = single_ms[b]
+                eff = single / world / ms
             flops = 8 * b * world * b * args.dim
             row = dict(gpu=gpu, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), world=world,
                        impl=impl, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
-                       backend=backend if impl == "infcl" else "torch (fp32 logits)", ms=ms,
+                       backend=backend if impl.startswith("infcl") else "torch (fp32 logits)", ms=ms,
                        extra_gib=extra, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
                        single_gpu_ms=single, weak_eff=eff, status=status)
+            if impl == "infcl" and world > 1:
+                from ds_infcl.loss.ring import last_algorithm
+
+                row["status"] = f"{status} ({last_algorithm()})"  # the algorithm auto chose
             rows.append(row)
             if rank == 0:
-                print(f"[{impl} b={b}] {status} ms={_fmt(ms, '.1f')} extra={_fmt(extra, '.2f')} GiB "
+                print(f"[{impl} b={b}] {row['status']} ms={_fmt(ms, '.1f')} extra={_fmt(extra, '.2f')} GiB "
                       f"eff={_fmt(eff, '.2f')}", flush=True)
     if rank == 0:
         if args.out:

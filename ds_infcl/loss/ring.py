@@ -19,6 +19,17 @@ statistics, adds ``s G K_o`` into its local ``dq`` and passes the fp32 ``dk`` ac
 block along (one hop behind, like the column statistics) until it arrives at the owner. The
 scale gradient of rank ``r`` is the sum of its block ``dscale`` (its share of the total).
 
+Choice by size (``ring_infonce``): where the gathered features are small, the ring's ``W`` hops of
+small blocks cost more than they save (a fixed cost per hop and per launch). Then one all-gather
+of the keys (and, symmetric, of the queries) and single-device fused calls over them compute the
+same loss: ``row_r = lse(Q_r, K_all)`` and, symmetric, ``lse(K_r[labels], Q_all)``, the gathered
+features' gradients summed back to their owners by a reduce-scatter. It is exact the same way (the
+shares add up to the global loss) and holds ``(B + M) c`` gathered values; it computes the logits
+of a symmetric loss twice, so the ring wins once the blocks are large. ``choose_algorithm`` picks
+by the largest per-rank batch and the gathered bytes (thresholds below, measured on H200s); the
+environment variable ``DS_INFCL_ALGORITHM`` (``ring`` / ``gather``) pins it, and
+``last_algorithm()`` reports the last choice.
+
 Gradient semantics: ``ring_lse`` returns to rank ``r`` the gradient of ``sum over ranks`` of the
 objectives each rank built on its outputs. The InfoNCE built here (``ring_infonce``) is the sum
 of per-rank shares, turned into the global value by ``global_sum_with_grad``, whose backward
@@ -27,15 +38,17 @@ multiplies by ``W``: after the data-parallel mean every gradient equals the sing
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
 
 from ds_infcl.loss.functional import compose_infonce, positive_logits
-from ds_infcl.ops import labels_or_diagonal, lse_backward, lse_forward, resolve_backend
+from ds_infcl.ops import labels_or_diagonal, lse_backward, lse_forward, resolve_backend, tiled_lse
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
+    all_gather_with_grad,
     exchange_layout,
     global_sum_with_grad,
     post_ring_shift,
@@ -223,6 +236,53 @@ def ring_lse(
                        tile_size, layout)
 
 
+# The gather path while the largest per-rank batch is at most GATHER_MAX_LOCAL rows and the
+# gathered features fit GATHER_MAX_BYTES (see choose_algorithm).
+GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "8192"))
+GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 30)))
+_LAST = {"algorithm": None}
+
+
+def choose_algorithm(layout: RingLayout, dim: int, element_size: int, symmetric: bool) -> str:
+    """``"gather"`` or ``"ring"`` for this call; the same on every rank (a function of the layout,
+    which every rank holds). ``DS_INFCL_ALGORITHM=ring|gather`` pins it."""
+    pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
+    if pinned in ("ring", "gather"):
+        return pinned
+    if pinned != "auto":
+        raise ValueError(f"DS_INFCL_ALGORITHM must be 'auto', 'ring' or 'gather', got {pinned!r}")
+    rows = layout.num_keys + (layout.num_queries if symmetric else 0)
+    largest = max(max(layout.query_sizes), max(layout.key_sizes))
+    if largest <= GATHER_MAX_LOCAL and rows * dim * element_size <= GATHER_MAX_BYTES:
+        return "gather"
+    return "ring"
+
+
+def last_algorithm() -> Optional[str]:
+    """The algorithm the last ``ring_infonce`` call on this process used (``"ring"``/``"gather"``)."""
+    return _LAST["algorithm"]
+
+
+def _gather_infonce(query, key, scale_t, labels, symmetric, backend, group, tile_size, layout):
+    # Every rank's share depends on the gathered tensors (a zero term where a rank has no query),
+    # so that every rank runs their reduce-scatter in the backward: collectives stay paired.
+    k_all = all_gather_with_grad(key, layout.key_sizes, layout.rank, group)
+    share = 0.0 * (k_all.float().sum() + query.float().sum() + scale_t)
+    b = query.shape[0]
+    if b:
+        row, _ = tiled_lse(query, k_all, scale_t, compute_col=False, backend=backend, tile_size=tile_size)
+        pos = positive_logits(query, key, scale_t, labels)
+        share = share + (row - pos).sum() / layout.num_queries
+    if symmetric:
+        q_all = all_gather_with_grad(query, layout.query_sizes, layout.rank, group)
+        col_share = 0.0 * q_all.float().sum()
+        if b:
+            col, _ = tiled_lse(key[labels], q_all, scale_t, compute_col=False, backend=backend, tile_size=tile_size)
+            col_share = col_share + (col - pos).sum() / layout.num_queries
+        share = (share + col_share) / 2
+    return share
+
+
 def ring_infonce(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -234,18 +294,24 @@ def ring_infonce(
     group=None,
     tile_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Global InfoNCE by the ring: the global loss on every rank, exact gradients after the
+    """Global InfoNCE across ranks: the global loss on every rank, exact gradients after the
     data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank;
-    ``None``: the diagonal)."""
+    ``None``: the diagonal). By the ring, or by one all-gather where the features are small
+    (``choose_algorithm``)."""
     group = resolve_group(group)
     backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric),
     )
+    labels = labels_or_diagonal(labels, query.shape[0], query.device)
+    algorithm = choose_algorithm(layout, query.shape[1], query.element_size(), symmetric)
+    _LAST["algorithm"] = algorithm
+    if algorithm == "gather":
+        share = _gather_infonce(query, key, scale_t, labels, symmetric, backend, group, tile_size, layout)
+        return global_sum_with_grad(share, layout, group)
     row, col = _apply_ring(query, key, scale_t, None, False, symmetric, backend, group, tile_size,
                            layout)
-    labels = labels_or_diagonal(labels, query.shape[0], query.device)
     pos = positive_logits(query, key, scale_t, labels)
     share = compose_infonce(row, col, pos, labels, layout.num_queries, symmetric)
     return global_sum_with_grad(share, layout, group)

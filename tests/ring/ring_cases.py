@@ -8,6 +8,9 @@ import time
 import torch
 
 IMPLS = ("infcl", "vanilla", "local", "disco")
+# The infcl implementation by either of its algorithms (ds_infcl.loss.ring.choose_algorithm picks
+# by size; these tiny cases would all take "gather", so both are pinned here).
+ALGORITHMS = ("ring", "gather")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Per-rank query counts: equal, unequal (one rank empty at 4 ranks).
 SIZES = {
@@ -25,16 +28,20 @@ def loss_cases(world):
     for impl, (direction, hard), dtype, sizes in itertools.product(
         IMPLS, [("one", 2), ("sym", 0)], DTYPES, ("equal", "unequal")
     ):
-        cases.append(dict(kind="loss", impl=impl, symmetric=direction == "sym", hard=hard,
-                          dtype=dtype, sizes=SIZES[world][sizes], c=12, scale=8.0, normalize=True))
+        for algorithm in ALGORITHMS if impl == "infcl" else (None,):
+            cases.append(dict(kind="loss", impl=impl, symmetric=direction == "sym", hard=hard,
+                              dtype=dtype, sizes=SIZES[world][sizes], c=12, scale=8.0, normalize=True,
+                              algorithm=algorithm))
     # Symmetric with hard negatives (key-to-query over the positive keys), unnormalized features.
     for impl in IMPLS:
-        cases.append(dict(kind="loss", impl=impl, symmetric=True, hard=1, dtype="fp32",
-                          sizes=SIZES[world]["unequal"], c=9, scale=2.5, normalize=False))
+        for algorithm in ALGORITHMS if impl == "infcl" else (None,):
+            cases.append(dict(kind="loss", impl=impl, symmetric=True, hard=1, dtype="fp32",
+                              sizes=SIZES[world]["unequal"], c=9, scale=2.5, normalize=False, algorithm=algorithm))
     # The nn.Module with a learnable logit scale (the parameter ZeRO manages).
-    for impl, sym, hard in [("infcl", True, 0), ("local", False, 1), ("vanilla", True, 0)]:
+    for impl, sym, hard, algorithm in [("infcl", True, 0, "ring"), ("infcl", True, 0, "gather"),
+                                       ("local", False, 1, None), ("vanilla", True, 0, None)]:
         cases.append(dict(kind="module", impl=impl, symmetric=sym, hard=hard, dtype="fp32",
-                          sizes=SIZES[world]["unequal"], c=12, scale=8.0, normalize=True))
+                          sizes=SIZES[world]["unequal"], c=12, scale=8.0, normalize=True, algorithm=algorithm))
     return cases
 
 
@@ -42,8 +49,8 @@ def triton_cases():
     """The ring on the Triton backend (interpreter on CPU): a few small fp32 cases."""
     return [
         dict(kind="loss", impl="infcl", symmetric=sym, hard=hard, dtype="fp32", sizes=[3, 5], c=16,
-             scale=6.0, normalize=True, backend="triton")
-        for sym, hard in [(False, 1), (True, 0)]
+             scale=6.0, normalize=True, backend="triton", algorithm=algorithm)
+        for sym, hard in [(False, 1), (True, 0)] for algorithm in ALGORITHMS
     ] + [dict(kind="lse", exclude_positive=True, compute_col=True, hard=1, dtype="fp32",
               sizes=[3, 5], c=16, scale=6.0, normalize=True, backend="triton")]
 
@@ -86,6 +93,16 @@ def _local(t, sizes, rank):
 
 def run_case(rank, case, seed, tile_size=3, group=None):
     """One rank's share of a case: loss value (or LSE vectors) and gradients."""
+    import os
+
+    os.environ["DS_INFCL_ALGORITHM"] = case.get("algorithm") or "auto"
+    try:
+        return _run_case(rank, case, seed, tile_size, group)
+    finally:
+        os.environ.pop("DS_INFCL_ALGORITHM", None)
+
+
+def _run_case(rank, case, seed, tile_size, group):
     from ds_infcl.loss import contrastive_loss, lse
 
     data = case_data(case, seed)
@@ -100,6 +117,10 @@ def run_case(rank, case, seed, tile_size=3, group=None):
                                 backend=backend, group=group, tile_size=tile_size)
         loss.backward()
         out["loss"] = loss.item()
+        if case.get("algorithm") and torch.distributed.get_world_size() > 1:  # one rank: no ring at all
+            from ds_infcl.loss.ring import last_algorithm
+
+            assert last_algorithm() == case["algorithm"], (last_algorithm(), case)
     elif case["kind"] == "module":
         import math
 

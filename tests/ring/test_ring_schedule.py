@@ -99,3 +99,29 @@ def test_backward_schedule(recorder):
         ("post", [((m2, C), f32)], [((m1, C), f32)]), ("wait",),
     ]
     assert recorder == expected
+
+
+def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
+    """Small per-rank batches take one all-gather and fused single-device calls, large ones the
+    ring; DS_INFCL_ALGORITHM pins either (issue 17)."""
+    from ds_infcl.loss import ring as ring_mod
+    from ds_infcl.ring import RingLayout
+
+    def layout(b, world=2):
+        return RingLayout(world=world, rank=0, query_sizes=(b,) * world, key_sizes=(b,) * world, feature_dim=512,
+                          send_to=1, recv_from=1)
+
+    monkeypatch.delenv("DS_INFCL_ALGORITHM", raising=False)
+    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL), 512, 2, True) == "gather"
+    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL + 1), 512, 2, True) == "ring"
+    # Many ranks: the gathered features outgrow the byte budget before the per-rank rows do.
+    rows = ring_mod.GATHER_MAX_BYTES // (2 * 512 * 2 * 128) + 1
+    assert rows <= ring_mod.GATHER_MAX_LOCAL
+    assert ring_mod.choose_algorithm(layout(rows, world=128), 512, 2, True) == "ring"
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
+    assert ring_mod.choose_algorithm(layout(16), 512, 2, True) == "ring"
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
+    assert ring_mod.choose_algorithm(layout(10**6), 512, 2, True) == "gather"
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
+    with pytest.raises(ValueError, match="DS_INFCL_ALGORITHM"):
+        ring_mod.choose_algorithm(layout(16), 512, 2, True)
