@@ -67,6 +67,12 @@ class RetrievalTask:
             negative (a ``neg`` text that is not one of its positives): checked at load, and the
             error names each example's ``file:line``.
         pooling, normalize, query_prefix, document_prefix, max_seq_length, separate: encoders.
+        query_template, document_template, task_description, append_eos, padding_side, dtype,
+            gradient_checkpointing, lora: decoder embedders (Qwen2, Llama, Mistral folders) and LoRA,
+            passed to ``RetrievalEncoders`` (see docs/retrieval.md): e.g. ``query_template:
+            "Instruct: {task}\nQuery: {text}"`` with ``task_description``, ``lora: {"r": 16,
+            "alpha": 32, "target_modules": ["q_proj", "v_proj"]}`` (only the adapters train; the
+            export writes the merged model and ``adapter/``).
         scale: fixed logit scale (20) unless the run config makes it learnable.
         mask_false_negatives: pass text ids to the loss (default True).
         duplicates: what the global batch sampler does with examples whose texts repeat one
@@ -100,6 +106,14 @@ class RetrievalTask:
         scale: float = 20.0,
         mask_false_negatives: bool = True,
         duplicates: str = "defer",
+        query_template: Optional[str] = None,
+        document_template: Optional[str] = None,
+        task_description: Optional[str] = None,
+        append_eos: Optional[bool] = None,
+        padding_side: Optional[str] = None,
+        dtype: Optional[str] = None,
+        gradient_checkpointing: bool = False,
+        lora: Optional[Dict[str, Any]] = None,
         heldout_fraction: float = 0.2,
         eval_batch_size: int = 256,
         beir_data: Optional[str] = None,
@@ -164,7 +178,11 @@ class RetrievalTask:
             model_path = default_model_path()
         self.model_path = model_path
         self.encoder_args = dict(pooling=pooling, normalize=normalize, query_prefix=query_prefix,
-                                 document_prefix=document_prefix, max_seq_length=max_seq_length, separate=separate)
+                                 document_prefix=document_prefix, max_seq_length=max_seq_length, separate=separate,
+                                 query_template=query_template, document_template=document_template,
+                                 task_description=task_description, append_eos=append_eos,
+                                 padding_side=padding_side, dtype=dtype,
+                                 gradient_checkpointing=gradient_checkpointing, lora=lora)
         self.num_negatives = num_negatives
         self.scale = scale
         self.mask_false_negatives = mask_false_negatives
@@ -177,7 +195,10 @@ class RetrievalTask:
 
     def build_towers(self) -> RetrievalEncoders:
         if self._towers is None:
-            self._towers = RetrievalEncoders(self.model_path, **self.encoder_args)
+            try:
+                self._towers = RetrievalEncoders(self.model_path, **self.encoder_args)
+            except ValueError as e:  # a bad template, LoRA option, dtype, ...: before step 1
+                raise ConfigError(f"task.args: {e}") from None
         return self._towers
 
     def loss_defaults(self) -> Dict[str, Any]:

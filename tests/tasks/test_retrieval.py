@@ -25,11 +25,11 @@ def _data(path):
         f.write("{bad json\n")
 
 
-def _run(tmp, name, *, world, grad_cache):
+def _run(tmp, name, *, world, grad_cache, task_args=None, ds="zero2.json"):
     cfg = {
         "task": {"name": "retrieval",
                  "args": {"data": str(tmp / "train.jsonl"), "model_path": str(tmp / "tiny"), "num_negatives": 1,
-                          "max_seq_length": 16}},
+                          "max_seq_length": 16, **(task_args or {})}},
         "batch": {"global_batch_size": 12, "grad_cache": grad_cache, "chunk_size": 2 if grad_cache else None},
         # Matryoshka over the 32-dim embedding: each prefix an exact global loss on both layouts.
         "loss": {"matryoshka_dims": [32, 16, 8], "matryoshka_weights": [1.0, 0.5, 0.25]},
@@ -43,7 +43,7 @@ def _run(tmp, name, *, world, grad_cache):
         del cfg["batch"]["chunk_size"]
     with open(tmp / f"{name}.json", "w") as f:
         json.dump(cfg, f)
-    common = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero2.json"), "--ds-set", "bf16.enabled=false",
+    common = ["--deepspeed_config", os.path.join(ROOT, "ds_configs", ds), "--ds-set", "bf16.enabled=false",
               "--ds-set", "optimizer.params.torch_adam=true", "--ds-set", "scheduler=null", "--config", str(tmp / f"{name}.json")]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
     if world == 1:
@@ -190,3 +190,31 @@ def test_matryoshka_dims_checked_at_load(tmp_path):
     expected = plain(q, k) + plain(torch.nn.functional.normalize(q[:, :8], dim=-1),
                                    torch.nn.functional.normalize(k[:, :8], dim=-1))
     assert loss(q, k).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_lora_decoder_under_zero_matches_one_process(tmp_path, zero):
+    # Issue 15: a decoder embedder (tiny random Qwen2, last-token pooling, EOS appended, an
+    # instruction template on queries) with LoRA adapters, trained by the engine on 2 ranks with
+    # GradCache under ZeRO-2 / ZeRO-3: the loss trajectory of one process without GradCache; the
+    # export reloads in sentence-transformers and carries the adapter alone too.
+    pytest.importorskip("peft")
+    from tests.adapters.test_decoder_embedders import make_tiny_decoder_dir
+
+    make_tiny_decoder_dir(str(tmp_path / "tiny"), "qwen2")
+    _data(tmp_path / "train.jsonl")
+    extra = {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+             "query_template": "Instruct: {task}\nQuery: {text}", "task_description": "find the answer"}
+    single = _run(tmp_path, "single", world=1, grad_cache=False, task_args=extra, ds="zero0.json")
+    multi = _run(tmp_path, f"multi_{zero}", world=2, grad_cache=True, task_args=extra, ds=f"{zero}.json")
+    assert len(single["losses"]) == len(multi["losses"]) == 3
+    for a, b in zip(single["losses"], multi["losses"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert single["losses"][-1] != single["losses"][0]  # the adapters trained
+
+    from sentence_transformers import SentenceTransformer
+
+    folder = tmp_path / f"multi_{zero}" / "final_model"
+    assert (folder / "adapter" / "adapter_config.json").is_file()
+    model = SentenceTransformer(str(folder), device="cpu")
+    assert model.encode(["the cat"], convert_to_tensor=True).shape == (1, 32)
