@@ -100,12 +100,37 @@ def run_one(model, loss_name: str, batch: int, args, device: torch.device) -> Di
         step_s = sorted(times)[len(times) // 2]
         row.update(status="ok", step_s=round(step_s, 4), samples_per_s=round(batch / step_s, 1),
                    loss_value=round(float(loss.detach()), 5))
+        if getattr(args, "profile", None):
+            _profile_step(loss_fn, opt, cols, autocast, device, args.profile, f"{loss_name}_{batch}")
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     del cols, loss_fn, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _profile_step(loss_fn, opt, cols, autocast, device, folder: str, name: str) -> None:
+    """One more step under ``torch.profiler``: the ops by total device time (``<folder>/<name>.txt``,
+    self and total) and a Chrome trace (``<name>.json``), to find where one loss's step differs
+    from another's before changing anything."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn([dict(c) for c in cols], None)
+            loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=f"{kind}_time_total", row_limit=40) + "\n")
+        f.write(prof.key_averages().table(sort_by=f"self_{kind}_time_total", row_limit=40))
+    prof.export_chrome_trace(os.path.join(folder, f"{name}.json"))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -124,6 +149,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default="docs/bench/retrieval_gpu.csv")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed steps, profile one more step of each configuration into DIR")
     args = p.parse_args(argv)
 
     from ds_infcl.adapters.retrieval import load_sentence_transformer

@@ -45,6 +45,14 @@ from ds_infcl.loss.retrieval import check_matryoshka, matryoshka_retrieval_loss
 __all__ = ["InfCLMultipleNegativesRankingLoss"]
 
 
+def _autocast_dtype(x: Tensor) -> Tensor:
+    """``x`` in autocast's dtype when autocast is on for its device and ``x`` is float32."""
+    device_type = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 def _similarity_name(fn) -> str:
     name = getattr(fn, "__name__", str(fn))
     if name in ("cos_sim", "cosine", "cos"):
@@ -192,6 +200,12 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
             if e.shape[0] != b:
                 raise ValueError(f"column {i} has {e.shape[0]} rows, the anchor column has {b}")
         key = torch.cat(embeddings[1:])
+        # Under autocast the loss's products run in autocast's dtype, as autocast would run the
+        # score matmul of (Cached)MNRL: the pooled embeddings come out of the model in float32, and
+        # the fused loss computes in its inputs' dtype (float32 accumulation either way). Measured
+        # on one H200 at 65,536 pairs (MiniLM, bf16 autocast): 0.85 s of float32 loss kernels per
+        # step, the gap to CachedMNRL.
+        query, key = _autocast_dtype(query), _autocast_dtype(key)
         lab = torch.arange(b, device=query.device)
         if self.matryoshka_dims is not None:
             return matryoshka_retrieval_loss(
