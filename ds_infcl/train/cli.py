@@ -119,7 +119,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(
             f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, scale "
             f"{summary.final_scale:.2f} (logit_scale {summary.final_logit_scale:.3f}), "
-            f"{summary.samples_per_s:.1f} samples/s, peak mem "
+            f"{summary.samples_per_s:.1f} samples/s"
+            + (f" ({summary.model_tflops_per_gpu:.1f} model TFLOP/s per GPU"
+               + (f", MFU {100 * summary.mfu:.1f}%" if summary.mfu is not None else "") + ")"
+               if summary.model_tflops_per_gpu is not None else "")
+            + ", peak mem "
             f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),
             flush=True,
         )

@@ -134,12 +134,15 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     """``logging``: metrics every ``every_steps`` steps to ``<output_dir>/metrics.csv``, TensorBoard
-    (``<output_dir>/tensorboard``) and a progress bar on rank 0."""
+    (``<output_dir>/tensorboard``) and a progress bar on rank 0. ``peak_tflops``: the device's
+    dense bf16/fp16 peak per GPU for the model-FLOPs utilization (``mfu``); ``None`` takes it from
+    a table of known GPUs (H100, H200, A100, ...), else MFU is not reported."""
 
     every_steps: int = 1
     csv: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

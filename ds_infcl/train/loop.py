@@ -20,7 +20,7 @@ from ds_infcl.train.checkpoint import check_world_size, load_checkpoint, resolve
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
-from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib
+from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
 from ds_infcl.train.model import ContrastiveModel
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.steps import grad_cache_step, uncached_step
@@ -48,6 +48,9 @@ class TrainSummary:
     notes: list = field(default_factory=list)
     final_scale: float = float("nan")  # exp(final_logit_scale), clamped: the "scale" of the logs
     data: Dict[str, int] = field(default_factory=dict)  # the task's data counts, summed over ranks
+    model_flops_per_sample: Optional[float] = None  # 3 x the towers' forward FLOPs of one example
+    model_tflops_per_gpu: Optional[float] = None  # at the run's samples/s
+    mfu: Optional[float] = None  # model FLOPs utilization: model_tflops_per_gpu / the GPU's peak
 
 
 class Encoder:
@@ -229,11 +232,15 @@ def train(
     step = start_step
     engine.train()
     watchdog = ProgressWatchdog(cfg.dist.timeout_s, rank) if world > 1 else None
+    flops_per_sample: Optional[float] = None
+    peak = peak_tflops(device, cfg.logging.peak_tflops)
     beat = watchdog.beat if watchdog is not None else (lambda: None)
     while step < cfg.train.num_steps:
         lrs = engine.get_lr()
         lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
         batch = _place(as_batch(next(data)), cfg, device)
+        if flops_per_sample is None and step == start_step:
+            flops_per_sample = _model_flops_per_sample(engine, batch, device, rank)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()
@@ -260,12 +267,14 @@ def train(
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.num_steps:
             ls = _logit_scale(engine)
+            tflops = _tflops_per_gpu(flops_per_sample, layout.global_batch_size / dt, world)
             logger.log_train({
                 "step": step, "loss": result.loss, "logit_scale": ls,
                 "scale": _scale_of(engine, ls),
                 "lr": lr_applied,
                 "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
                 "peak_mem_mib": peak_memory_mib(device), "samples": samples,
+                "model_tflops_per_gpu": tflops, "mfu": None if tflops is None or not peak else tflops / peak,
             })
         logger.advance()
 
@@ -309,6 +318,10 @@ def train(
         peak_mem_mib=peak_memory_mib(device), wall_s=time.time() - t_start,
         eval=eval_metrics, notes=notes, data=data_counts,
     )
+    summary.model_flops_per_sample = flops_per_sample
+    summary.model_tflops_per_gpu = _tflops_per_gpu(flops_per_sample, summary.samples_per_s, world)
+    if summary.model_tflops_per_gpu is not None and peak:
+        summary.mfu = summary.model_tflops_per_gpu / peak
     if rank == 0:
         with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary.__dict__, f, indent=2)
@@ -317,6 +330,37 @@ def train(
     if hasattr(engine, "destroy"):
         engine.destroy()
     return summary
+
+
+def _model_flops_per_sample(engine, batch: Batch, device: torch.device, rank: int) -> Optional[float]:
+    """Training FLOPs of one example (its query and its keys through the towers): 3 x the forward
+    FLOPs that ``torch.utils.flop_counter`` counts on a one-example slice of the first batch (the
+    usual model-FLOPs definition: forward and a backward of twice its cost; GradCache's extra
+    forward and recomputation are not model FLOPs). Every rank calls it (ZeRO-3 forwards are
+    collective); the RNG state is restored, so the run is the same as without it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ds_infcl.train.steps import get_rng_state, move_batch, set_rng_state
+
+    if len(batch) == 0:
+        return None
+    state = get_rng_state(device)
+    try:
+        one = move_batch(batch.slice(0, 1), device)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            engine("encode", one.query_inputs, one.key_inputs)
+        return 3.0 * counter.get_total_flops() or None
+    except Exception as e:  # noqa: BLE001 -- a tower the counter cannot trace costs only the MFU column
+        _log(f"model FLOPs not counted ({type(e).__name__}: {e}); no MFU in the logs", rank)
+        return None
+    finally:
+        set_rng_state(state, device)
+
+
+def _tflops_per_gpu(flops_per_sample: Optional[float], samples_per_s: float, world: int) -> Optional[float]:
+    if not flops_per_sample or not math.isfinite(samples_per_s):
+        return None
+    return flops_per_sample * samples_per_s / world / 1e12
 
 
 def _data_report(task) -> Dict[str, int]:

@@ -22,11 +22,31 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib"]
+__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib", "peak_tflops", "PEAK_TFLOPS"]
 
 TRAIN_COLUMNS = [
     "step", "loss", "logit_scale", "scale", "lr", "samples_per_s", "step_time_s", "peak_mem_mib", "samples",
+    "model_tflops_per_gpu", "mfu",
 ]
+
+# Dense bf16 / fp16 tensor-core peak per GPU in TFLOP/s (vendor data sheets, without sparsity).
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
+               "L40S": 362.1, "A10G": 125.0, "B200": 2250.0}
+
+
+def peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
+    """The device's dense 16-bit peak (``override`` if given; ``None`` on CPU or an unknown GPU)."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "GH200" before "H200"
+        if key in name:
+            if key == "H100" and "PCIE" in name:
+                return 756.5
+            return PEAK_TFLOPS[key]
+    return None
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -117,17 +137,21 @@ class MetricsLogger:
             return
         if self._csv_enabled:
             with open(self.train_path, "a", newline="") as f:
-                csv.writer(f).writerow([row.get(c, "") for c in TRAIN_COLUMNS])
+                csv.writer(f).writerow(["" if row.get(c) is None else row[c] for c in TRAIN_COLUMNS])
         if self._tb is not None:
             for k in TRAIN_COLUMNS[1:]:
-                if k in row:
+                if row.get(k) is not None:
                     self._tb.add_scalar(f"train/{k}", row[k], int(row["step"]))
         if self._monitor is not None:
             step = int(row["step"])
-            self._monitor.write_events([(f"Train/{k}", float(row[k]), step) for k in TRAIN_COLUMNS[1:] if k in row])
+            self._monitor.write_events([(f"Train/{k}", float(row[k]), step) for k in TRAIN_COLUMNS[1:]
+                                        if row.get(k) is not None])
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{row['loss']:.4f}", scale=f"{row.get('scale', float('nan')):.2f}",
-                                  sps=f"{row.get('samples_per_s', 0):.0f}", refresh=False)
+            post = dict(loss=f"{row['loss']:.4f}", scale=f"{row.get('scale', float('nan')):.2f}",
+                        sps=f"{row.get('samples_per_s', 0):.0f}")
+            if row.get("mfu") is not None:
+                post["mfu"] = f"{100 * row['mfu']:.1f}%"
+            self._bar.set_postfix(refresh=False, **post)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:

@@ -3,6 +3,8 @@ reader), DeepSpeed's monitors, and what a resume leaves in them."""
 
 import csv
 
+import pytest
+
 from ds_infcl.train.metrics import MetricsLogger, format_metrics
 
 
@@ -111,3 +113,48 @@ def test_a_run_honours_deepspeeds_csv_monitor(tmp_path):
     assert [int(r["step"]) for r in rows] == [1, 2, 3]
     assert [float(r["loss"]) for r in rows] == [float(r["loss"]) for r in ours]
     assert (job / "Train_Samples_lr.csv").is_file()  # DeepSpeed's own event
+
+
+def test_model_flops_and_mfu_are_logged(tmp_path):
+    # Issue 16: model FLOPs utilization beside samples/s, per step and in the summary. The
+    # synthetic towers are two MLPs 16 -> 64 -> 8: one example's forward is 2 * (16*64 + 64*8)
+    # FLOPs per tower, its training 3x that. (The count restores the RNG: the resume tests, whose
+    # resumed run counts at another step than the uninterrupted one, would see any drift.)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = {
+        "task": {"name": "synthetic", "args": {"input_dim": 16, "embed_dim": 8, "dropout": 0.1}},
+        "batch": {"global_batch_size": 16},
+        "train": {"num_steps": 3},
+        "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": False, "peak_tflops": 0.5},
+        "eval": {"at_end": False},
+        "checkpoint": {"at_end": False, "export_final": False},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=root)
+    cmd = [sys.executable, "-m", "ds_infcl.train", "--deepspeed_config", os.path.join(root, "ds_configs", "zero2_fp32.json"),
+           "--config", str(tmp_path / "run.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model_flops_per_sample"] == 3 * 2 * 2 * (16 * 64 + 64 * 8)
+    assert summary["model_tflops_per_gpu"] == pytest.approx(
+        summary["model_flops_per_sample"] * summary["samples_per_s"] / 1e12)
+    assert summary["mfu"] == pytest.approx(summary["model_tflops_per_gpu"] / 0.5)
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["mfu"]) == pytest.approx(float(r["model_tflops_per_gpu"]) / 0.5) for r in rows)
+    assert "MFU" in proc.stdout
+    # Without a known peak (CPU) the MFU column stays empty.
+    cfg["logging"]["peak_tflops"] = None
+    cfg["output_dir"] = str(tmp_path / "run2")
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = json.loads((tmp_path / "run2" / "summary.json").read_text())
+    assert again["mfu"] is None and again["losses"] == summary["losses"]
