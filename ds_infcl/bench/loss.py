@@ -36,7 +36,16 @@ from datetime import datetime, timezone
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROVIDERS = ("triton", "torch", "materialized")
+PROVIDERS = ("triton", "torch", "materialized", "openclip")
+
+
+def _openclip_loss():
+    """OpenCLIP's ``ClipLoss`` (when ``open_clip_torch`` imports), else ``(None, why)``."""
+    try:
+        from open_clip.loss import ClipLoss
+    except Exception as err:  # noqa: BLE001 - any import failure means the provider is unavailable
+        return None, f"open_clip unavailable: {type(err).__name__}: {str(err)[:60]}"
+    return ClipLoss, ""
 MODES = ("forward", "backward", "total", "graph")
 FLOPS_PER_PAIR = {"forward": 2, "backward": 6, "total": 8, "graph": 8}
 FIELDS = ["gpu", "date", "provider", "b", "c", "dtype", "mode", "median_ms", "p20_ms", "p80_ms",
@@ -81,11 +90,23 @@ def _loss_fn(provider: str):
         return lambda q, k, s: contrastive_loss(q, k, s, symmetric=True, backend="torch", check_finite=False)
     if provider == "materialized":
         return lambda q, k, s: contrastive_loss_reference(q, k, s, symmetric=True, upcast=False)
+    if provider == "openclip":  # OpenCLIP's own loss, one GPU: its [b, b] logits in the inputs' dtype
+        cls, why = _openclip_loss()
+        if cls is None:
+            raise RuntimeError(why)
+        loss = cls()
+        return lambda q, k, s: loss(q, k, s)
     raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
 
 
 def _skip_reason(provider: str, b: int, c: int, dtype: torch.dtype, args) -> str:
     free = torch.cuda.mem_get_info()[0]
+    if provider == "openclip":
+        if _openclip_loss()[0] is None:
+            return "skipped: " + _openclip_loss()[1]
+        need = b * b * (4 * torch.finfo(dtype).bits // 8)  # logits both ways, softmax, gradient
+        if need > 0.85 * free:
+            return f"skipped: needs ~{need / 2**30:.0f} GiB"
     if provider == "materialized":
         # logits, their softmax and gradient in the input dtype, plus fp32 temporaries
         need = b * b * (3 * torch.finfo(dtype).bits // 8 + 8)

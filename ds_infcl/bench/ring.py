@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla")
+IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla", "openclip")
 # infcl picks its algorithm by size (ds_infcl.loss.ring.choose_algorithm); infcl_ring and
 # infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
 _PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
@@ -51,6 +51,8 @@ def _logit_bytes(impl: str, b: int, world: int) -> float:
         return 5 * 4 * (world * b) ** 2
     if impl in ("local", "disco"):
         return 5 * 4 * 2 * b * (world * b)
+    if impl == "openclip":  # its logits stay in the features' dtype (bf16: 2 bytes)
+        return 5 * 2 * 2 * b * (world * b)
     return 0.0
 
 
@@ -92,6 +94,15 @@ def run_point(impl, b, c, dtype, group, args):
             os.environ.pop("DS_INFCL_ALGORITHM", None)
     from ds_infcl.loss import contrastive_loss
 
+    openclip = None
+    if impl == "openclip":  # OpenCLIP's ClipLoss as its users run it across GPUs
+        try:
+            from open_clip.loss import ClipLoss
+        except Exception as err:  # noqa: BLE001 - any import failure means the provider is unavailable
+            return float("nan"), float("nan"), f"skipped (open_clip unavailable: {type(err).__name__})"
+        openclip = ClipLoss(local_loss=True, gather_with_grad=True, rank=dist.get_rank(group),
+                            world_size=dist.get_world_size(group))
+
     world = dist.get_world_size(group)
     free = torch.cuda.mem_get_info()[0] if _DEVICE == "cuda" else float("inf")
     need = _logit_bytes(impl, b, world)
@@ -110,8 +121,11 @@ def run_point(impl, b, c, dtype, group, args):
         q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
 
         def step():
-            loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
-                                    group=group, check_finite=False)
+            if openclip is not None:
+                loss = openclip(q, k, scale)
+            else:
+                loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
+                                        group=group, check_finite=False)
             loss.backward()
 
         def timed() -> float:
@@ -228,7 +242,9 @@ def main(argv=None) -> int:
             flops = 8 * b * world * b * args.dim
             row = dict(gpu=gpu, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), world=world,
                        impl=impl, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
-                       backend=backend if impl.startswith("infcl") else "torch (fp32 logits)", ms=ms,
+                       backend=backend if impl.startswith("infcl") else
+                       ("open_clip ClipLoss (local, gather_with_grad)" if impl == "openclip" else "torch (fp32 logits)"),
+                       ms=ms,
                        extra_gib=extra, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
                        single_gpu_ms=single, weak_eff=eff, status=status)
             if impl == "infcl" and world > 1:
