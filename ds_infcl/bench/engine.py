@@ -38,13 +38,25 @@ __all__ = ["main"]
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _task_args(args) -> Dict:
+    extra = json.loads(args.task_args) if args.task_args else {}
+    return {"arch": args.arch, **extra} if args.task == "bench_clip" else extra
+
+
+def _tokens_per_sample(args) -> Optional[int]:
+    if args.task != "bench_decoder":
+        return None
+    extra = json.loads(args.task_args) if args.task_args else {}
+    return int(extra.get("seq_len", 256)) * (2 + int(extra.get("num_negatives", 1)))
+
+
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     out = os.path.join(args.out, tag)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     chunk = min(args.chunk_size, global_batch // args.num_gpus)
     run = {
-        "task": {"name": "bench_clip", "args": {"arch": args.arch}},
+        "task": {"name": args.task, "args": _task_args(args)},
         "loss": {"impl": impl},
         "batch": {"global_batch_size": global_batch, "grad_cache": True, "chunk_size": chunk},
         "data": {"offload": True},
@@ -91,7 +103,13 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
         row["samples_per_s"] = round(s["samples_per_s"], 1)
         row["step_time_s"] = round(global_batch / s["samples_per_s"], 3) if s["samples_per_s"] else ""
         row["peak_mem_gib"] = round(s["peak_mem_mib"] / 1024, 2)
+        if s.get("mfu") is not None:
+            row["mfu"] = round(s["mfu"], 4)
+        tokens = _tokens_per_sample(args)
+        if tokens and s["samples_per_s"]:
+            row["tokens_per_s"] = round(s["samples_per_s"] * tokens)
     print(f"[bench] {impl:8s} B={global_batch:>8d} {status:8s} sps={row['samples_per_s']} "
+          f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} "
           f"peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
     return row
 
@@ -127,7 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--impls", nargs="+", default=["local", "infcl"])
-    p.add_argument("--arch", default="vit-b-16", help="vit-b-16 or tiny (CPU smoke test)")
+    p.add_argument("--arch", default="vit-b-16", help="bench_clip: vit-b-16 or tiny (CPU smoke test)")
+    p.add_argument("--task", default="bench_clip", choices=["bench_clip", "bench_decoder"],
+                   help="bench_clip (CLIP towers) or bench_decoder (an LLM embedder, e.g. Qwen2-1.5B's shape)")
+    p.add_argument("--task-args", default=None, metavar="JSON",
+                   help='task arguments, e.g. \'{"arch": "qwen2-1.5b", "seq_len": 256, "lora": {"r": 16}}\'')
     p.add_argument("--chunk-size", type=int, default=256, help="GradCache chunk per GPU")
     p.add_argument("--throughput-batch", type=int, default=16384, help="0 skips the throughput phase")
     p.add_argument("--steps", type=int, default=4, help="throughput steps (the first is warm-up)")
@@ -162,7 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 B *= 2
             largest[impl] = "none" if best is None else (f"{best}" if why == "oom" else f">= {best} ({why})")
 
-    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "step_time_s", "peak_mem_gib", "wall_s"]
+    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "tokens_per_s",
+              "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()

@@ -240,6 +240,7 @@ _LAZY_TASKS = {
     "synthetic": "ds_infcl.tasks.synthetic:SyntheticTask",
     "clip": "ds_infcl.tasks.clip:ClipTask",
     "bench_clip": "ds_infcl.tasks.bench:BenchClipTask",
+    "bench_decoder": "ds_infcl.tasks.bench_decoder:BenchDecoderTask",
     "retrieval": "ds_infcl.tasks.retrieval:RetrievalTask",
     "open_clip": "ds_infcl.tasks.open_clip:OpenClipTask",
 }
