@@ -116,6 +116,19 @@ class BenchDecoderTask(Task):
     def loss_defaults(self) -> Dict[str, Any]:
         return {"symmetric": False, "init_logit_scale": math.log(20.0), "learnable_scale": False}
 
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs of one example by the usual LLM formula (PaLM, appendix B): per token
+        ``6 N + 12 L H T`` with ``N`` the non-embedding parameters, ``L`` layers, ``H`` width and
+        ``T`` the sequence length (the attention scores counted in full). It is the full model's
+        figure with LoRA too (which skips the weight gradients: about 4 N of work per token).
+        torch's FLOP counter cannot count SDPA with grouped key/value heads on every version."""
+        a = DECODER_ARCHS[self.arch]
+        h, layers, inter = a["hidden_size"], a["num_hidden_layers"], a["intermediate_size"]
+        kv = h * a["num_key_value_heads"] // a["num_attention_heads"]
+        per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o; k, v; gate, up, down
+        n = layers * per_layer
+        return float(self.tokens_per_sample() * (6 * n + 12 * layers * h * self.seq_len))
+
     def tokens_per_sample(self) -> int:
         """Tokens one example puts through the model (its query and its documents)."""
         return self.seq_len * (2 + self.num_negatives)

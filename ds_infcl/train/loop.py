@@ -240,7 +240,8 @@ def train(
         lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
         batch = _place(as_batch(next(data)), cfg, device)
         if flops_per_sample is None and step == start_step:
-            flops_per_sample = _model_flops_per_sample(engine, batch, device, rank)
+            known = getattr(task, "model_flops_per_sample", None)  # a task that knows its FLOPs says so
+            flops_per_sample = float(known()) if callable(known) else _model_flops_per_sample(engine, batch, device, rank)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()

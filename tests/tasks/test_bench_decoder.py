@@ -26,3 +26,18 @@ def test_batches_towers_and_lora():
     assert task.tokens_per_sample() == 12 * 4
     with pytest.raises(ValueError, match="arch must be one of"):
         get_task("bench_decoder", {"arch": "llama-70b"})
+
+
+def test_model_flops_formula_matches_torchs_counter():
+    # The task's FLOPs (6 N + 12 L H T per token) against 3 x the forward that torch's counter
+    # counts on the same towers with eager attention (plain matmuls it can count).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    task = get_task("bench_decoder", {"arch": "tiny", "seq_len": 12, "num_negatives": 2,
+                                      "gradient_checkpointing": False, "attn_implementation": "eager"})
+    towers = task.build_towers().eval()
+    index = torch.tensor([5])
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        towers.encode_query(index)
+        towers.encode_key(index.repeat_interleave(3))
+    assert task.model_flops_per_sample() == 3 * counter.get_total_flops()

@@ -1,5 +1,6 @@
 """A plug-in task for the error tests: the synthetic task whose query tower returns NaN from its
-second call on (a diverged step, as a user would see it)."""
+second training call on (a diverged step, as a user would see it). Calls without gradients (the
+trainer's one-off FLOP count before step 1) do not count."""
 
 import torch
 from torch import nn
@@ -14,7 +15,8 @@ class _NanAfterFirst(nn.Module):
         self.calls = 0
 
     def encode_query(self, x):
-        self.calls += 1
+        if torch.is_grad_enabled():
+            self.calls += 1
         out = self.towers.encode_query(x)
         return out * float("nan") if self.calls > 1 else out
 
