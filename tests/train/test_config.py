@@ -178,7 +178,7 @@ def test_synthetic_task_is_a_function_of_the_global_index():
     r1 = next(task.batches(rank=1, world_size=2, local_batch_size=4, start_step=1, seed=0))
     assert r1.sample_index.tolist() == list(range(12, 16))
     torch.testing.assert_close(r1.query_inputs, whole.query_inputs[4:])
-    with pytest.raises(ConfigError, match=r"task.name: unknown task 'nope'; choose one of \['bench_clip', 'clip', 'open_clip', 'retrieval', 'synthetic'\] or give an import path"):
+    with pytest.raises(ConfigError, match=r"task.name: unknown task 'nope'; choose one of \['bench_clip', 'bench_decoder', 'clip', 'open_clip', 'retrieval', 'synthetic'\] or give an import path"):
         get_task("nope")
     with pytest.raises(ConfigError, match=r"task.name: module 'ds_infcl.tasks.base' has no attribute 'Nope'"):
         get_task("ds_infcl.tasks.base:Nope")
