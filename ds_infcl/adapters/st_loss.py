@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ds_infcl.adapters.retrieval import encode_chunked, feature_ids, retrieval_loss
-from ds_infcl.loss.retrieval import check_matryoshka, matryoshka_retrieval_loss
+from ds_infcl.loss.retrieval import matryoshka_options, matryoshka_retrieval_loss
 
 __all__ = ["InfCLMultipleNegativesRankingLoss"]
 
@@ -152,15 +152,9 @@ class InfCLMultipleNegativesRankingLoss(nn.Module):
         self.group = group
         self.backend = backend
         self.tile_size = tile_size
-        if matryoshka_dims is None:
-            if matryoshka_weights is not None:
-                raise ValueError("matryoshka_weights is set but matryoshka_dims is None: give the dims "
-                                 "(largest first) or drop the weights")
-            self.matryoshka_dims = self.matryoshka_weights = None
-        else:
-            self.matryoshka_dims, self.matryoshka_weights = check_matryoshka(
-                matryoshka_dims, matryoshka_weights, _embedding_dimension(model)
-            )
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_options(
+            matryoshka_dims, matryoshka_weights, None if matryoshka_dims is None else _embedding_dimension(model)
+        )
         self._local_group = None
 
     def _loss_group(self):

@@ -57,6 +57,7 @@ __all__ = [
     "matryoshka_retrieval_loss",
     "retrieval_loss_reference",
     "check_matryoshka",
+    "matryoshka_options",
     "RetrievalLoss",
     "keys_and_labels",
 ]
@@ -187,6 +188,17 @@ def check_matryoshka(
     if bad:
         raise ValueError(f"matryoshka_weights must be finite numbers >= 0, got {bad} in {weights}")
     return tuple(dims), tuple(float(w) for w in weights)
+
+
+def matryoshka_options(dims, weights=None, embedding_dim: Optional[int] = None):
+    """A loss module's Matryoshka settings: ``(None, None)`` when ``dims`` is ``None`` (weights
+    without dims are an error), else ``check_matryoshka(dims, weights, embedding_dim)``."""
+    if dims is None:
+        if weights is not None:
+            raise ValueError("matryoshka_weights is set but matryoshka_dims is None: give the dims "
+                             "(largest first) or drop the weights")
+        return None, None
+    return check_matryoshka(dims, weights, embedding_dim)
 
 
 def _prefix(x: torch.Tensor, dim: int, normalize: bool) -> torch.Tensor:
@@ -502,13 +514,7 @@ class RetrievalLoss(nn.Module):
             self.register_buffer("logit_scale", value)
         self.symmetric = symmetric
         self.mask_false_negatives = mask_false_negatives
-        if matryoshka_dims is None:
-            if matryoshka_weights is not None:
-                raise ValueError("matryoshka_weights is set but matryoshka_dims is None: give the dims "
-                                 "(largest first) or drop the weights")
-            self.matryoshka_dims = self.matryoshka_weights = None
-        else:
-            self.matryoshka_dims, self.matryoshka_weights = check_matryoshka(matryoshka_dims, matryoshka_weights)
+        self.matryoshka_dims, self.matryoshka_weights = matryoshka_options(matryoshka_dims, matryoshka_weights)
         self.matryoshka_normalize = bool(matryoshka_normalize)
         self._warned_partial = False
         self.group = group
