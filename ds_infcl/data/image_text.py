@@ -30,7 +30,8 @@ than its size says counts the difference as ``missing_from_shard``; a final part
 
 Batches are dicts::
 
-    image        float32 [n, 3, H, W]   from ``image_transform``
+    image        float32 [n, 3, H, W]   from ``image_transform`` (its ``collate`` when it has one:
+                                        ``EncodedImages`` packs JPEG bytes for GPU decoding)
     text         list of n captions
     idx          int64 [n]              stable global sample index (-1 where the shard has none)
     label        int64 [n]              json "label" where present, else -1
@@ -151,7 +152,9 @@ class ImageTextShards(IterableDataset):
             or a ``ShardList`` from ``resolve_shards`` (which brings counted sizes). The
             shards' sample counts come from ``sizes.json`` or the manifest when present (never
             counted here); with them, samples lost in a damaged shard are counted exactly.
-        image_transform: ``PIL.Image -> tensor [3, H, W]`` (see ``ImageTransform``).
+        image_transform: ``PIL.Image -> tensor [3, H, W]`` (see ``ImageTransform``), or one with
+            ``wants_bytes``, ``prepare(bytes)`` and ``collate(items)`` that defers decoding
+            (``device_decode.EncodedImages``: a ``prepare`` that raises counts ``bad_image``).
         batch_size: samples per batch (per rank).
         tokenizer: optional ``list[str] -> dict of tensors`` merged into each batch.
         rank, world_size: this rank among the data-parallel ranks.
@@ -375,9 +378,12 @@ class ImageTextShards(IterableDataset):
             self._count("missing_image", f"{where} has {sorted(k for k in sample if not k.startswith('__'))}")
             return None
         try:
-            with Image.open(io.BytesIO(sample[image_key])) as img:
-                img.load()
-                image = self.image_transform(img)
+            if getattr(self.image_transform, "wants_bytes", False):  # decoded later, on the GPU
+                image = self.image_transform.prepare(sample[image_key])
+            else:
+                with Image.open(io.BytesIO(sample[image_key])) as img:
+                    img.load()
+                    image = self.image_transform(img)
         except Exception as exn:  # noqa: BLE001 -- PIL raises many types on corrupt data
             self._count("bad_image", f"{where}: {exn!r}")
             return None
@@ -389,7 +395,8 @@ class ImageTextShards(IterableDataset):
     def collate(self, items: List[tuple], slot: int) -> Dict[str, Any]:
         images, captions, idxs, labels = zip(*items)
         batch: Dict[str, Any] = {
-            "image": torch.stack(images),
+            "image": self.image_transform.collate(images) if hasattr(self.image_transform, "collate")
+            else torch.stack(images),
             "text": list(captions),
             "idx": torch.tensor(idxs, dtype=torch.long),
             "label": torch.tensor(labels, dtype=torch.long),
@@ -429,7 +436,8 @@ class ImageTextShards(IterableDataset):
 
 
 class BadSampleTally:
-    """Sums the running skip counts of all readers seen in batches (``update(batch)``).
+    """Sums the running skip counts of all readers seen in batches (``update(batch)``), plus
+    the samples this process skipped itself (``add``: images the GPU decode could not decode).
 
     ``counts`` is ``{reason: n}``, ``total`` their sum. Counts are those of the readers of this
     rank; an all-reduce of ``total`` gives the global number.
@@ -437,13 +445,19 @@ class BadSampleTally:
 
     def __init__(self):
         self._by_reader: Dict[int, Dict[str, int]] = {}
+        self._here: Dict[str, int] = {}
 
     def update(self, batch: Dict[str, Any]) -> None:
         self._by_reader[int(batch["reader"])] = dict(batch["bad_samples"])
 
+    def add(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` samples skipped in this process (the GPU decode's ``bad_image``)."""
+        if n > 0:
+            self._here[reason] = self._here.get(reason, 0) + n
+
     @property
     def counts(self) -> Dict[str, int]:
-        out: Dict[str, int] = {}
+        out: Dict[str, int] = dict(self._here)
         for counts in self._by_reader.values():
             for reason, n in counts.items():
                 out[reason] = out.get(reason, 0) + n

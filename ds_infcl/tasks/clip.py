@@ -25,11 +25,9 @@ from ``tokenizer_path``, else the model folder, else it is trained on the traini
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import os
-import shutil
-import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -37,19 +35,25 @@ import torch
 from ds_infcl.adapters.clip import CONFIG_NAME, ClipModel
 from ds_infcl.adapters.clip_eval import evaluate_encoders
 from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
-from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions, read_manifest
-from ds_infcl.data.digits import read_digits_info, write_digits_shards
+from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions
+from ds_infcl.data.device_decode import DeviceBatches, EncodedImages, JpegBatchDecoder, gpu_decode_problem
+from ds_infcl.data.transforms import check_crop_scale
 from ds_infcl.errors import ConfigError
-from ds_infcl.tasks.base import checking
-
-__all__ = ["ClipTask", "caption_ids", "ensure_digits_shards", "BUILTIN_DATA", "builtin_digits_dir", "resolve_data_dir"]
-
-BUILTIN_DATA = ("builtin:digits",)
-_DATA_FOLDER_HELP = (
-    "a data folder holds .tar shards, with train.json (and optionally heldout.json, zero_shot.json) "
-    "manifests as python -m ds_infcl.data.write_shards writes them, or without (every .tar trains); give "
-    "data_dir: \"builtin:digits\" for the built-in digits, or train_shards: a brace pattern"
+from ds_infcl.tasks.clip_data import (
+    BUILTIN_DATA,
+    _shard_list,
+    builtin_digits_dir,
+    ensure_digits_shards,
+    resolve_data_dir,
+    scan_index_bound,
 )
+
+__all__ = ["ClipTask", "caption_ids", "ensure_digits_shards", "BUILTIN_DATA", "builtin_digits_dir", "resolve_data_dir",
+           "scan_index_bound"]
+
+
+def _log_bad_image(message: str) -> None:
+    logging.getLogger(__name__).warning("GPU decode skipped a bad image (counted as bad_image): %s", message)
 
 
 def caption_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -58,153 +62,6 @@ def caption_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.
     tokens = torch.where(attention_mask.bool(), input_ids.long() + 1, torch.zeros_like(input_ids, dtype=torch.long))
     powers = torch.full((tokens.shape[1],), 1_000_003, dtype=torch.long).cumprod(0)
     return (tokens * powers).sum(dim=1)
-
-
-def ensure_digits_shards(data_dir: str, seed: int = 0) -> Dict[str, Any]:
-    """``read_digits_info(data_dir)``, writing the shards first if missing. Safe when several
-    ranks call it at once: each writes to a private folder and the first rename wins."""
-    if not os.path.exists(os.path.join(data_dir, "digits.json")):
-        parent = os.path.dirname(os.path.abspath(data_dir))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".digits-", dir=parent)
-        try:
-            write_digits_shards(tmp, seed=seed)
-            try:
-                os.rename(tmp, data_dir)
-            except OSError:  # another rank (or an existing empty folder) got there first
-                if not os.path.exists(os.path.join(data_dir, "digits.json")):
-                    if os.path.isdir(data_dir) and not os.listdir(data_dir):
-                        os.rmdir(data_dir)
-                        os.rename(tmp, data_dir)
-                    else:
-                        raise
-        finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-    return read_digits_info(data_dir)
-
-
-def builtin_digits_dir() -> str:
-    """Where ``builtin:digits`` lives: ``$DS_INFCL_DIGITS``, else ``data/digits`` (relative to the
-    working directory, as the demo writes it)."""
-    return os.environ.get("DS_INFCL_DIGITS") or os.path.join("data", "digits")
-
-
-def _manifest_shards(manifest: Dict[str, Any], path: str) -> None:
-    from ds_infcl.data import expand_shard_urls
-
-    missing = [u for u in expand_shard_urls(manifest["urls"]) if not os.path.isfile(u)]
-    if missing:
-        raise ConfigError(
-            f"task.args.data_dir: {path} names {len(missing)} shard(s) that do not exist, first "
-            f"{missing[0]}; rewrite the manifest or restore the shards"
-        )
-
-
-def _read_manifest_checked(path: str) -> Dict[str, Any]:
-    try:
-        manifest = read_manifest(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"task.args.data_dir: cannot read the manifest {path}: {e}") from None
-    _manifest_shards(manifest, path)
-    return manifest
-
-
-def _shard_list(source, key: str):
-    from ds_infcl.data import resolve_shards
-
-    try:
-        return resolve_shards(source, count=not checking())
-    except ValueError as e:
-        raise ConfigError(f"task.args.{key}: {e}") from None
-
-
-def _with_digits_bound(info: Dict[str, Any]) -> Dict[str, Any]:
-    # The digits' global index is the row of load_digits(): both splits number one data set.
-    info["index_bound"] = info["train"]["num_samples"] + info["heldout"]["num_samples"]
-    return info
-
-
-def scan_index_bound(urls) -> int:
-    """One more than the largest global sample index in the shards (the json's ``idx``, else a
-    numeric key), reading tar headers and json members only (no image is decoded); a damaged
-    shard is read up to its damage, with a warning."""
-    import logging
-
-    from ds_infcl.data import expand_shard_urls
-    from ds_infcl.data.shards import ShardReport, iter_shard_samples
-
-    top = -1
-    for url in expand_shard_urls(urls):
-        report = ShardReport(url)
-        for sample in iter_shard_samples(url, report, read={"json"}):
-            idx = None
-            if "json" in sample:
-                try:
-                    idx = int(json.loads(sample["json"]).get("idx"))
-                except (ValueError, TypeError, AttributeError):
-                    idx = None
-            key = os.path.basename(str(sample.get("__key__", "")))
-            if idx is None and key.isdigit():
-                idx = int(key)
-            if idx is not None:
-                top = max(top, idx)
-        if report.damage:
-            logging.getLogger(__name__).warning("sample index scan: shard %s is damaged at byte %s (%s); "
-                                                "read up to there", url, report.offset, report.damage)
-    return top + 1
-
-
-def resolve_data_dir(data_dir: str, seed: int = 0) -> Optional[Dict[str, Any]]:
-    """The data of ``data_dir``: ``{"train": manifest, "heldout"?: manifest, "class_names"?,
-    "zero_shot_templates"?}`` with absolute shard patterns in ``manifest["urls"]``.
-
-    ``"builtin:digits"`` writes the digits on first use (``None`` under ``--check`` when they are
-    not written yet: nothing is written then). Anything else must be an existing folder with a
-    ``train.json`` manifest (or one the digits writer wrote) whose shards all exist.
-
-    Raises:
-        ConfigError: naming the path and what a data folder holds.
-    """
-    if data_dir.startswith("builtin:"):
-        if data_dir not in BUILTIN_DATA:
-            raise ConfigError(f"task.args.data_dir: unknown built-in data {data_dir!r}; built-in: {list(BUILTIN_DATA)}")
-        folder = builtin_digits_dir()
-        if not os.path.exists(os.path.join(folder, "digits.json")):
-            if checking():
-                print(f"[ds_infcl] --check: the built-in digits are not written yet; the run will write them "
-                      f"to {folder}", flush=True)
-                return None
-        return _with_digits_bound(ensure_digits_shards(folder, seed=seed))
-    if not os.path.exists(data_dir):
-        raise ConfigError(f"task.args.data_dir: {data_dir} does not exist; {_DATA_FOLDER_HELP}")
-    if not os.path.isdir(data_dir):
-        raise ConfigError(f"task.args.data_dir: {data_dir} is not a folder; {_DATA_FOLDER_HELP}")
-    if os.path.exists(os.path.join(data_dir, "digits.json")):
-        info = read_digits_info(data_dir)
-        for split in ("train", "heldout"):
-            _manifest_shards(info[split], os.path.join(data_dir, "digits.json"))
-        return _with_digits_bound(info)
-    train = os.path.join(data_dir, "train.json")
-    if not os.path.exists(train):
-        if any(name.endswith(".tar") for name in os.listdir(data_dir)):
-            return {"train": {"urls": data_dir}}  # a folder of shards: every .tar in it, no held-out split
-        raise ConfigError(f"task.args.data_dir: {data_dir} holds no train.json manifest and no .tar shards; "
-                          f"{_DATA_FOLDER_HELP}")
-    info: Dict[str, Any] = {"train": _read_manifest_checked(train)}
-    heldout = os.path.join(data_dir, "heldout.json")
-    if os.path.exists(heldout):
-        info["heldout"] = _read_manifest_checked(heldout)
-    zero_shot = os.path.join(data_dir, "zero_shot.json")
-    if os.path.exists(zero_shot):
-        try:
-            with open(zero_shot) as f:
-                prompts = json.load(f)
-            info["class_names"] = prompts["class_names"]
-            info["zero_shot_templates"] = prompts["templates"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"task.args.data_dir: {zero_shot} needs class_names and templates: {e!r}") from None
-    return info
 
 
 class ClipTask:
@@ -226,7 +83,16 @@ class ClipTask:
             ``resampled``). Each DataLoader worker builds whole per-rank batches.
         prefetch_factor: batches each worker prepares ahead (host memory: ``num_workers *
             prefetch_factor`` batches in flight).
-        random_crop: lower area bound of a random-resized-crop augmentation (``None``: none).
+        random_crop_scale: area range ``[lo, hi]`` of the training random-resized crop (OpenCLIP's
+            ``RandomResizedCrop`` scale, default ``[0.9, 1.0]``); ``None`` trains on the evaluation
+            transform (shorter side resized, centre crop). (Replaces ``random_crop: lo``.)
+        decode: ``"cpu"`` (loader workers decode with PIL) or ``"gpu"`` (workers pass JPEG bytes
+            and crop boxes; this process decodes each batch on its CUDA device with torchvision's
+            batched nvjpeg ``decode_jpeg`` and crops/resizes it there: see
+            ``ds_infcl.data.device_decode``). ``"gpu"`` needs torchvision and CUDA (a config
+            error otherwise, also under ``--check``), ``image_dtype: uint8``, and the batch kept
+            where it is (``data.pin_memory: false``: images already on the device cannot be pinned).
+        decode_batch: images per batched device decode call (``decode: gpu``).
         eval_batch_size: held-out batch size.
         positives: ``"pair"`` (image i with its own caption) or ``"caption"`` (with ``loss.impl:
             siglip``: every image whose caption is the same text is a positive too, so that
@@ -258,6 +124,9 @@ class ClipTask:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         resampled: bool = False,
+        random_crop_scale: Optional[Sequence[float]] = (0.9, 1.0),
+        decode: str = "cpu",
+        decode_batch: int = 1024,
         random_crop: Optional[float] = None,
         eval_batch_size: int = 512,
         positives: str = "pair",
@@ -272,6 +141,28 @@ class ClipTask:
         if image_dtype not in ("uint8", "float32"):
             raise ValueError(f"image_dtype must be 'uint8' (normalized on the device) or 'float32', got {image_dtype!r}")
         self.image_dtype = image_dtype
+        if random_crop is not None:
+            raise ConfigError(f"task.args.random_crop was replaced by random_crop_scale: give "
+                              f"random_crop_scale: [{random_crop}, 1.0] (or null for no crop)")
+        try:
+            self.random_crop_scale = check_crop_scale(random_crop_scale)
+        except ValueError as e:
+            raise ConfigError(f"task.args.{e}") from None
+        if decode not in ("cpu", "gpu"):
+            raise ConfigError(f"task.args.decode must be 'cpu' (loader workers decode with PIL) or 'gpu' "
+                              f"(batched nvjpeg on this rank's device), got {decode!r}")
+        if decode == "gpu":
+            if image_dtype != "uint8":
+                raise ConfigError("task.args.decode: 'gpu' yields uint8 pixels (normalized by the model on the "
+                                  f"device); set image_dtype: uint8 (got {image_dtype!r})")
+            problem = gpu_decode_problem()
+            if problem is not None:
+                raise ConfigError(f"task.args.decode: 'gpu' needs torchvision (torchvision.io.decode_jpeg) and a "
+                                  f"CUDA device, but {problem}; use decode: 'cpu' (loader workers decode with "
+                                  "PIL) or install the torchvision that matches torch")
+        if decode_batch < 1:
+            raise ConfigError(f"task.args.decode_batch must be >= 1, got {decode_batch}")
+        self.decode, self.decode_batch = decode, decode_batch
         if prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
         self.prefetch_factor = prefetch_factor
@@ -303,7 +194,6 @@ class ClipTask:
         self.shuffle_buffer = shuffle_buffer
         self.num_workers = num_workers
         self.resampled = resampled
-        self.random_crop = random_crop
         self.eval_batch_size = eval_batch_size
 
         self.damaged_caption_shards: List[Any] = []
@@ -363,9 +253,9 @@ class ClipTask:
         towers = self._towers if self._towers is not None else None
         if towers is None:
             raise RuntimeError("build_towers() must run before the data (it fixes the image size)")
-        if train and self.random_crop:
+        if train and self.random_crop_scale is not None:
             return ImageTransform(towers.image_size, towers.image_mean, towers.image_std, train=True,
-                                  random_crop_scale=(self.random_crop, 1.0), output=self.image_dtype)
+                                  random_crop_scale=self.random_crop_scale, output=self.image_dtype)
         return ImageTransform(towers.image_size, towers.image_mean, towers.image_std, output=self.image_dtype)
 
     def batches(
@@ -376,18 +266,28 @@ class ClipTask:
         ``sample_index`` (``[b]`` global index). ``start_step`` batches are skipped (decoded and
         dropped: the stream is a deterministic function of seed, rank and worker count)."""
         self._rank = rank
+        transform = self._transform(train=True)
+        gpu = self.decode == "gpu"
         dataset = ImageTextShards(
-            self.train_shards, image_transform=self._transform(train=True), batch_size=local_batch_size,
-            tokenizer=self.tokenizer, rank=rank, world_size=world_size, shuffle_buffer=self.shuffle_buffer,
-            repeat=not self.resampled, resampled=self.resampled, drop_last=True, seed=seed,
+            self.train_shards, image_transform=EncodedImages(transform) if gpu else transform,
+            batch_size=local_batch_size, tokenizer=self.tokenizer, rank=rank, world_size=world_size,
+            shuffle_buffer=self.shuffle_buffer, repeat=not self.resampled, resampled=self.resampled,
+            drop_last=True, seed=seed,
         )
         loader_kwargs = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 else {}
         stream = iter(image_text_loader(dataset, num_workers=self.num_workers, **loader_kwargs))
+        if gpu:
+            decoder = JpegBatchDecoder(transform.image_size, self.decode_device(), decode_batch=self.decode_batch)
+            self._decoder = decoder
+            stream = iter(DeviceBatches(stream, decoder, local_batch_size, self.tally, on_failure=_log_bad_image))
+            count = lambda batch: None  # noqa: E731 -- DeviceBatches keeps the tally itself
+        else:
+            count = self.tally.update
         for _ in range(start_step):
-            self.tally.update(next(stream))
+            count(next(stream))
         self.batches_consumed = start_step
         for batch in stream:
-            self.tally.update(batch)
+            count(batch)
             self.batches_consumed += 1
             out = {
                 "query_inputs": batch["image"],
@@ -398,6 +298,13 @@ class ClipTask:
                 ids = caption_ids(batch["input_ids"], batch["attention_mask"])
                 out["loss_inputs"] = {"query_ids": ids, "key_ids": ids}
             yield out
+
+    @staticmethod
+    def decode_device() -> torch.device:
+        """This rank's CUDA device for ``decode: gpu``: ``LOCAL_RANK`` (set by the launchers), else
+        the current device."""
+        local = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
 
     def heldout_batches(self) -> List[Dict[str, Any]]:
         """The held-out set, decoded once (every rank evaluates all of it)."""
