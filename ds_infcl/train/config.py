@@ -38,6 +38,7 @@ __all__ = [
     "TaskConfig",
     "LossConfig",
     "BatchConfig",
+    "ModelConfig",
     "DataConfig",
     "TrainConfig",
     "EvalConfig",
@@ -97,12 +98,28 @@ summed as sentence-transformers' ``MatryoshkaLoss``."""
 class BatchConfig:
     """``batch``: the global batch of one optimizer step (all ranks together; the contrastive loss
     sees all of it) and its GradCache chunking. With ``grad_cache`` the local batch is encoded
-    ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk)."""
+    ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk); ``"auto"`` measures
+    the towers before the engine is built and takes the fastest power of two whose memory fits
+    ``memory_budget_gib`` (default: 85% of the free device memory; ``ds_infcl.train.chunk_auto``)."""
 
     global_batch_size: int = _REQUIRED  # type: ignore[assignment]
     grad_cache: bool = False
-    chunk_size: Optional[int] = None
+    chunk_size: Optional[Union[int, str]] = None  # an integer, or "auto" (ds_infcl.train.chunk_auto)
     verify_replay: bool = False
+    memory_budget_gib: Optional[float] = None  # chunk_size "auto": device memory a run may use
+
+
+@dataclass
+class ModelConfig:
+    """``model``: how the task's towers run. ``compile``: ``false`` (eager), ``"blocks"`` (or
+    ``true``): each repeated block (every child of an ``nn.ModuleList`` in the towers, e.g. the
+    transformer layers) compiled in place with ``torch.compile(dynamic=False)``, parameter names
+    and checkpoints unchanged; ``compile_mode`` is ``torch.compile``'s ``mode``. Not with ZeRO
+    stage 3 (its parameter hooks would run inside the compiled blocks); see
+    ``ds_infcl.train.model.compile_towers``."""
+
+    compile: Union[bool, str] = False
+    compile_mode: str = "default"
 
 
 @dataclass
@@ -181,6 +198,7 @@ class RunConfig:
     train: TrainConfig
     task: TaskConfig = field(default_factory=TaskConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -202,6 +220,7 @@ _SECTIONS = {
     "task": TaskConfig,
     "loss": LossConfig,
     "batch": BatchConfig,
+    "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
     "eval": EvalConfig,
@@ -365,7 +384,20 @@ def _validate(cfg: RunConfig) -> None:
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _allowed("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16", "float16"))
     _positive("batch.global_batch_size", cfg.batch.global_batch_size)
-    _positive("batch.chunk_size", cfg.batch.chunk_size)
+    if isinstance(cfg.batch.chunk_size, str):
+        if cfg.batch.chunk_size != "auto":
+            raise ConfigError(f"batch.chunk_size: {cfg.batch.chunk_size!r} is not allowed; give an integer >= 1 or \"auto\"")
+    else:
+        _positive("batch.chunk_size", cfg.batch.chunk_size)
+    if cfg.batch.memory_budget_gib is not None:
+        if cfg.batch.chunk_size != "auto":
+            raise ConfigError("batch.memory_budget_gib: only used with batch.chunk_size \"auto\"; remove it or "
+                              "set batch.chunk_size to \"auto\"")
+        if not cfg.batch.memory_budget_gib > 0:
+            raise ConfigError(f"batch.memory_budget_gib: must be > 0, got {cfg.batch.memory_budget_gib}")
+    _allowed("model.compile", cfg.model.compile, (False, True, "blocks"))
+    _allowed("model.compile_mode", cfg.model.compile_mode,
+             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:
         raise ConfigError("batch.chunk_size: required when batch.grad_cache is true")
     if not cfg.batch.grad_cache and cfg.batch.chunk_size is not None:

@@ -126,6 +126,10 @@ def resolve_deepspeed_config(
     local = B // world_size
     if cfg.batch.grad_cache:
         chunk = cfg.batch.chunk_size
+        if chunk == "auto":  # not measured yet (--check): the largest chunk "auto" could pick (train/chunk_auto.py)
+            from ds_infcl.train.chunk_auto import candidate_chunks
+
+            chunk = candidate_chunks(local)[-1]
         if local % chunk:
             raise ConfigError(
                 f"batch.chunk_size: {chunk} does not divide the local batch of {local} "

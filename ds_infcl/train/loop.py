@@ -21,7 +21,7 @@ from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
-from ds_infcl.train.model import ContrastiveModel
+from ds_infcl.train.model import ContrastiveModel, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.steps import grad_cache_step, uncached_step
 from ds_infcl.tasks.base import Batch, as_batch, build_loss, get_task
@@ -160,6 +160,10 @@ def train(
     accel = accelerator_name()
 
     # Configs: batch layout and optimizer; both fail before any model is built.
+    if cfg.batch.chunk_size == "auto":  # measure the towers for the chunk (train/chunk_auto.py)
+        from ds_infcl.train.chunk_auto import resolve_auto_chunk
+
+        cfg = resolve_auto_chunk(cfg, ds_config, world, rank, device, lambda m: _log(m, rank))
     ds_cfg, layout = resolve_deepspeed_config(cfg, ds_config, world, source=ds_config_source)
     ds_cfg, client_optimizer, notes = prepare_optimizer(ds_cfg, accel)
     for n in notes:
@@ -170,7 +174,9 @@ def train(
 
     # Model: identical initialization on all ranks (DeepSpeed also broadcasts rank 0's).
     _seed_all(cfg.train.seed)
-    model = ContrastiveModel(task.build_towers(), build_loss(task, cfg.loss))
+    towers = compile_towers(task.build_towers(), cfg.model, int(ds_cfg.get("zero_optimization", {}).get("stage", 0)),
+                            lambda m: _log(m, rank))
+    model = ContrastiveModel(towers, build_loss(task, cfg.loss))
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -24,14 +24,14 @@ them there too. A 0-dim parameter is re-registered with shape ``[1]`` (DeepSpeed
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ds_infcl.tasks.base import tree_map
 
-__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names"]
+__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate")
 
@@ -60,6 +60,78 @@ def loss_with_params(loss_module: nn.Module, params: Optional[Dict[str, torch.Te
         return forward(loss_module, query, key, **loss_kwargs)
     finally:
         registered.update(original)
+
+
+def find_blocks(towers: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` of the repeated blocks of ``towers``: every child of an ``nn.ModuleList``
+    (HF ``encoder.layers`` / ``encoder.layer``, ``blocks``, ``resblocks`` ...), outermost lists
+    only (a block's own inner lists stay inside the compiled block), in module order."""
+    out: List[Tuple[str, nn.Module]] = []
+    taken: List[str] = []
+    for name, module in towers.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+            continue
+        taken.append(name)
+        out.extend((f"{name}.{i}", child) for i, child in enumerate(module))
+    return out
+
+
+def compile_blocks(towers: nn.Module, *, mode: str = "default") -> List[str]:
+    """Compile each block of ``find_blocks(towers)`` in place (``module.compile``: the module's
+    ``__call__`` goes through ``torch.compile(dynamic=False)``; parameters, their names and the
+    ``state_dict`` keys are unchanged, so checkpoints load either way). Compilation happens at a
+    block's first call for each new input shape: GradCache's chunks all have one shape, and the
+    towers' blocks share their code, so the usual recompile limit of 8 (shared by every compiled
+    block) is raised to 64 for the few shapes a run sees (pass 1 without gradients, pass 3 with,
+    evaluation batches).
+
+    Returns:
+        the names of the compiled blocks (empty when the towers have no ``nn.ModuleList``).
+    """
+    import torch._dynamo
+
+    blocks = find_blocks(towers)
+    for _, block in blocks:
+        block.compile(dynamic=False, mode=None if mode == "default" else mode)
+    if blocks:
+        config = torch._dynamo.config
+        key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, key, max(getattr(config, key), 64))
+    return [name for name, _ in blocks]
+
+
+def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callable[[str], None] = print) -> nn.Module:
+    """Apply the run config's ``model`` section (``compile``, ``compile_mode``) to the task's towers
+    before ``deepspeed.initialize``; returns ``towers`` (compiled in place) and logs what it did.
+
+    Dropout in compiled blocks draws its masks from seeds taken from torch's default generator at
+    each call, so GradCache's RNG replay (restore the state, re-encode) reproduces pass 1's masks
+    (tests/train/test_compile.py checks it); the masks differ from eager mode's, as with any
+    compiled dropout.
+
+    Raises:
+        ConfigError: compile with ZeRO stage 3 (its per-module parameter gathering hooks would run
+            inside the compiled blocks), or towers without repeated blocks to compile.
+    """
+    from ds_infcl.errors import ConfigError
+
+    setting = model_config.compile
+    if setting is False:
+        return towers
+    if zero_stage >= 3:
+        raise ConfigError(
+            "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
+            "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
+        )
+    names = compile_blocks(towers, mode=model_config.compile_mode)
+    if not names:
+        raise ConfigError(
+            f"model.compile: the towers ({type(towers).__name__}) have no nn.ModuleList of blocks to compile; "
+            "set model.compile false"
+        )
+    log(f"model.compile: {len(names)} blocks compiled (torch.compile dynamic=False, mode "
+        f"{model_config.compile_mode!r}): {names[0]} .. {names[-1]}; the first step includes the compilation")
+    return towers
 
 
 class ContrastiveModel(nn.Module):

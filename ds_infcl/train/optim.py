@@ -7,7 +7,7 @@ runs everywhere, and says what it changed:
 
 | ``optimizer.type`` | CUDA | CPU accelerator (what this module does) |
 | --- | --- | --- |
-| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload); ``torch.optim`` when FusedAdam is neither prebuilt nor buildable (no ``nvcc``) | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``) instead of JIT-building the CPU Adam op (~90 s) |
+| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload); ``torch.optim`` with ``fused=True`` when FusedAdam is neither prebuilt nor buildable (no ``nvcc``) or ``torch_adam`` is set | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``, ``foreach=True``) instead of JIT-building the CPU Adam op (~90 s) |
 | ``Lamb`` | DeepSpeed ``FusedLamb`` (CUDA op, JIT-built) | CUDA-only op: uses ``ds_infcl.train.optim.Lamb`` (same maths, pure PyTorch) |
 | ``Lion`` | DeepSpeed ``FusedLion`` (``DeepSpeedCPULion`` with offload) | CUDA-only op: uses ``ds_infcl.train.optim.Lion`` (pure PyTorch) |
 | ``SGD`` (any ``torch.optim`` name) | ``torch.optim.<name>`` | same |
@@ -177,6 +177,8 @@ def prepare_optimizer(
             f"optimizer {name}: DeepSpeed's FusedAdam is not prebuilt and no nvcc is found to JIT-build it; "
             "using torch.optim (torch_adam=true). Install with DS_BUILD_FUSED_ADAM=1 to use FusedAdam"
         )
+    if lname in ("adam", "adamw"):
+        notes.append(_adam_choice(name, lname, params, cfg, on_cpu))
     if on_cpu and lname in ("lamb", "lion"):
         cls = Lamb if lname == "lamb" else Lion
         allowed = set(cls.__init__.__code__.co_varnames[2 : cls.__init__.__code__.co_argcount])
@@ -201,6 +203,25 @@ def prepare_optimizer(
             f"\"zero_allow_untested_optimizer\": true (ZeRO has only tested Adam, AdamW, Adagrad and Lion)"
         )
     return cfg, client, notes
+
+
+def _adam_choice(name: str, lname: str, params: Dict[str, Any], cfg: Dict[str, Any], on_cpu: bool) -> str:
+    """Pick the Adam implementation's kernel mode in ``params`` (changed in place) and say which.
+
+    With ``torch_adam`` DeepSpeed builds ``torch.optim.AdamW`` (``Adam`` with ``adam_w_mode``
+    false) from ``params``; unless the user chose ``fused`` or ``foreach``, the optimizer states on
+    a GPU use ``fused=True`` (one kernel for all parameters) and on the CPU (the CPU accelerator,
+    or ``offload_optimizer``) ``foreach=True``."""
+    offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    on_host = on_cpu or offload in ("cpu", "nvme")
+    if not params.get("torch_adam"):
+        ds_cls = "DeepSpeedCPUAdam (optimizer offload)" if on_host else "FusedAdam"
+        return f"optimizer {name}: DeepSpeed's {ds_cls}"
+    if "fused" not in params and "foreach" not in params:
+        params["fused" if not on_host else "foreach"] = True
+    cls = "AdamW" if lname == "adamw" or params.get("adam_w_mode", True) else "Adam"
+    mode = ", ".join(f"{k}={params[k]}" for k in ("fused", "foreach") if k in params)
+    return f"optimizer {name}: torch.optim.{cls}({mode})"
 
 
 def _fused_adam_buildable(cfg: Dict[str, Any]) -> bool:
