@@ -272,7 +272,7 @@ class ClipTask:
             self.train_shards, image_transform=EncodedImages(transform) if gpu else transform,
             batch_size=local_batch_size, tokenizer=self.tokenizer, rank=rank, world_size=world_size,
             shuffle_buffer=self.shuffle_buffer, repeat=not self.resampled, resampled=self.resampled,
-            drop_last=True, seed=seed,
+            drop_last=not gpu, seed=seed,  # gpu: DeviceBatches refills across worker batches, drops at the end
         )
         loader_kwargs = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 else {}
         stream = iter(image_text_loader(dataset, num_workers=self.num_workers, **loader_kwargs))
