@@ -1,0 +1,132 @@
+"""``model.compile``: blocks compiled in place give eager's features and gradients, keep their
+parameter names, replay dropout under GradCache, and train to the same losses in the trainer.
+
+Inductor compiles CPU kernels with a C++ compiler: without one these tests skip, saying so."""
+
+import copy
+import json
+import os
+import shutil
+import types
+
+import pytest
+import torch
+
+from ds_infcl.errors import ConfigError
+from ds_infcl.loss import ContrastiveLoss
+from ds_infcl.tasks.base import Batch
+from ds_infcl.train.config import run_config_from_dict
+from ds_infcl.train.model import ContrastiveModel, compile_blocks, compile_towers, find_blocks
+from ds_infcl.train.steps import grad_cache_step
+from tests.train import harness
+from tests.train.blocks_task import BlockTowers
+from tests.train.test_steps import FakeEngine
+
+_CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+needs_cxx = pytest.mark.skipif(not _CXX, reason="torch.compile on CPU (inductor) needs a C++ compiler (g++/clang++); none found")
+
+
+def _towers(dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return BlockTowers(input_dim=12, width=16, embed_dim=8, num_blocks=2, dropout=dropout)
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_find_blocks_outermost_lists_only():
+    towers = _towers()
+    towers.query_tower.blocks[0].inner = torch.nn.ModuleList([torch.nn.Linear(2, 2)])  # inside a block
+    names = [n for n, _ in find_blocks(towers)]
+    assert names == ["query_tower.blocks.0", "query_tower.blocks.1", "key_tower.blocks.0", "key_tower.blocks.1"]
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+
+
+def test_compile_towers_errors_and_no_op():
+    off = types.SimpleNamespace(compile=False, compile_mode="default")
+    on = types.SimpleNamespace(compile="blocks", compile_mode="default")
+    towers = _towers()
+    assert compile_towers(towers, off, 3) is towers
+    assert all(b._compiled_call_impl is None for _, b in find_blocks(towers))
+    with pytest.raises(ConfigError, match=r"model.compile: not supported with ZeRO stage 3"):
+        compile_towers(towers, on, 3)
+    with pytest.raises(ConfigError, match=r"no nn.ModuleList of blocks to compile"):
+        compile_towers(torch.nn.Sequential(torch.nn.Linear(2, 2)), on, 2)
+
+
+def test_config_keys():
+    base = {"batch": {"global_batch_size": 8}, "train": {"num_steps": 1}}
+    for value in (False, True, "blocks"):
+        assert run_config_from_dict({**base, "model": {"compile": value}}).model.compile == value
+    with pytest.raises(ConfigError, match=r"model.compile: 'towers' is not allowed"):
+        run_config_from_dict({**base, "model": {"compile": "towers"}})
+    with pytest.raises(ConfigError, match=r"model.compile_mode: 'fast' is not allowed"):
+        run_config_from_dict({**base, "model": {"compile_mode": "fast"}})
+
+
+@needs_cxx
+def test_compiled_blocks_match_eager_and_replay_dropout():
+    eager = _towers()
+    compiled = copy.deepcopy(eager)
+    keys = list(compiled.state_dict())
+    graphs = _unique_graphs()
+    names = compile_blocks(compiled)
+    assert len(names) == 4 and list(compiled.state_dict()) == keys  # checkpoints keep their keys
+    x = torch.randn(6, 12)
+    out = {}
+    for name, towers in (("eager", eager), ("compiled", compiled)):
+        q, k = towers.encode_query(x), towers.encode_key(x.flip(0))
+        (q * torch.linspace(-1, 1, 8)).sum().add((k ** 2).sum()).backward()
+        out[name] = (q.detach(), k.detach(), {n: p.grad.clone() for n, p in towers.named_parameters()})
+    assert _unique_graphs() > graphs  # compiled for real, not a silent eager fallback
+    torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["compiled"][1], out["eager"][1], rtol=1e-5, atol=1e-6)
+    for n, g in out["eager"][2].items():
+        torch.testing.assert_close(out["compiled"][2][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+    # Dropout inside compiled blocks: a restored RNG state gives the same masks with and without
+    # gradients (GradCache's pass 1 vs pass 3), so the replay check of a GradCache step passes.
+    towers = _towers(dropout=0.3)
+    compile_blocks(towers)
+    model = ContrastiveModel(towers, ContrastiveLoss(symmetric=True, impl="infcl"))
+    batch = Batch(query_inputs=torch.randn(8, 12), key_inputs=torch.randn(8, 12), sample_index=torch.arange(8))
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        q1 = model.encode_query(batch.query_inputs)
+    torch.set_rng_state(state)
+    q3 = model.encode_query(batch.query_inputs)
+    assert torch.equal(q1, q3.detach())
+    assert not torch.equal(q1, model.encode_query(batch.query_inputs).detach())  # fresh masks differ
+    engine = FakeEngine(model, gas=2)
+    grad_cache_step(engine, batch, 4, torch.device("cpu"), verify_replay=True)  # raises on a mismatch
+    assert engine.step_grads is not None
+
+
+@needs_cxx
+def test_trainer_compiled_equals_eager_and_auto_chunk(tmp_path):
+    """One process, ZeRO-2: eager, compiled blocks and (compiled, chunk "auto") train to the same
+    losses; "auto" writes its integer choice into the run config."""
+    common = harness.COMMON + ["task.name=tests.train.blocks_task:BlocksTask", "batch.grad_cache=true",
+                               "batch.global_batch_size=128"]
+    jobs = [
+        harness.job("eager", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=16"]),
+        harness.job("compiled", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=16", "model.compile=true"]),
+        harness.job("auto", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=auto", "model.compile=blocks"]),
+    ]
+    harness.run_jobs(harness.write_jobs(tmp_path, jobs), 1)
+    summaries = {j["name"]: json.loads((tmp_path / j["name"] / "summary.json").read_text()) for j in jobs}
+    log = (tmp_path / "jobs.log").read_text()
+    assert "model.compile: 4 blocks compiled" in log and "batch.chunk_size auto -> " in log
+    chosen = json.loads((tmp_path / "auto" / "run_config.json").read_text())["batch"]["chunk_size"]
+    assert chosen in (64, 128)  # the candidates probed for a local batch of 128 (from 64 up)
+    assert "batch.chunk_size auto: chunk 64:" in log and "batch.chunk_size auto: chunk 128:" in log
+    for name in ("compiled", "auto"):
+        assert summaries[name]["losses"] == pytest.approx(summaries["eager"]["losses"], rel=1e-5, abs=1e-6), name
+        eager = torch.load(tmp_path / "eager" / "params.pt")
+        other = torch.load(tmp_path / name / "params.pt")
+        assert set(other) == set(eager)
+        for k, v in eager.items():
+            torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-5, msg=f"{name}: {k}")
