@@ -19,6 +19,8 @@ Stream of one rank::
         a batch that fails as a whole: each image again alone; one that fails alone: PIL on the
         CPU; one PIL cannot decode either: skipped and counted as ``bad_image`` (the CPU path's
         criterion and reason), the batch refilled from the next one
+    ThreadedPrefetch: the next batch decoded in a background thread on a side stream while the
+        current one trains
 
 Resampling differs from the CPU path's PIL bicubic: bilinear (``grid_sample``) after an integer
 box prefilter (``avg_pool2d``) when the crop is at least twice the output; the crop regions are
@@ -40,6 +42,7 @@ __all__ = [
     "EncodedImages",
     "JpegBatchDecoder",
     "DeviceBatches",
+    "ThreadedPrefetch",
     "crop_resize",
     "gpu_decode_problem",
     "torchvision_decode_jpeg",
@@ -354,3 +357,78 @@ class DeviceBatches:
         if self._held:
             self.tally.add("dropped_last_batch", self._held)
             self._pieces, self._held = [], 0
+
+
+class ThreadedPrefetch:
+    """Runs an iterator ``depth`` items ahead in a background thread, on a side CUDA stream when
+    ``device`` is CUDA: the next batch's device decode overlaps this batch's training step (the
+    decode's host work and its kernels; torch releases the GIL inside ops).
+
+    Items come out in the iterator's order (one producer thread). A CUDA item is handed over with
+    an event the consumer's current stream waits on, and its tensors are recorded on that stream
+    (the caching allocator must not reuse their memory while the step reads them). An exception in
+    the producer is raised by the consumer's ``next``; the end of the iterator ends this one.
+    """
+
+    _END = object()
+
+    def __init__(self, iterator: Iterator[Any], device, depth: int = 1):
+        import queue
+        import threading
+
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._iterator = iterator
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="ds_infcl-device-decode", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            stream = torch.cuda.Stream(self.device) if self._cuda else None
+            while not self._stop.is_set():
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        item = next(self._iterator, self._END)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                else:
+                    item, event = next(self._iterator, self._END), None
+                self._queue.put((item, event, None))
+                if item is self._END:
+                    return
+        except BaseException as exn:  # noqa: BLE001 -- handed to the consumer, which raises it
+            self._queue.put((self._END, None, exn))
+
+    def __iter__(self) -> "ThreadedPrefetch":
+        return self
+
+    def __next__(self) -> Any:
+        item, event, error = self._queue.get()
+        if error is not None:
+            raise error
+        if item is self._END:
+            raise StopIteration
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+
+            def keep(t):
+                if torch.is_tensor(t) and t.is_cuda:
+                    t.record_stream(current)
+
+            for value in item.values() if isinstance(item, dict) else ():
+                keep(value)
+        return item
+
+    def close(self) -> None:
+        """Stop producing (the thread ends after its current item)."""
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get_nowait()
+            except Exception:  # noqa: BLE001 -- queue.Empty: nothing to drain yet
+                self._thread.join(timeout=0.05)

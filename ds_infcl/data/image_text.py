@@ -50,6 +50,7 @@ import io
 import json
 import logging
 import random
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -446,19 +447,24 @@ class BadSampleTally:
     def __init__(self):
         self._by_reader: Dict[int, Dict[str, int]] = {}
         self._here: Dict[str, int] = {}
+        self._lock = threading.Lock()  # the GPU decode's prefetch thread updates it
 
     def update(self, batch: Dict[str, Any]) -> None:
-        self._by_reader[int(batch["reader"])] = dict(batch["bad_samples"])
+        with self._lock:
+            self._by_reader[int(batch["reader"])] = dict(batch["bad_samples"])
 
     def add(self, reason: str, n: int = 1) -> None:
         """Count ``n`` samples skipped in this process (the GPU decode's ``bad_image``)."""
         if n > 0:
-            self._here[reason] = self._here.get(reason, 0) + n
+            with self._lock:
+                self._here[reason] = self._here.get(reason, 0) + n
 
     @property
     def counts(self) -> Dict[str, int]:
-        out: Dict[str, int] = dict(self._here)
-        for counts in self._by_reader.values():
+        with self._lock:
+            out: Dict[str, int] = dict(self._here)
+            readers = list(self._by_reader.values())
+        for counts in readers:
             for reason, n in counts.items():
                 out[reason] = out.get(reason, 0) + n
         return out

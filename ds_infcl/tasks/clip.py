@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -36,7 +37,13 @@ from ds_infcl.adapters.clip import CONFIG_NAME, ClipModel
 from ds_infcl.adapters.clip_eval import evaluate_encoders
 from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions
-from ds_infcl.data.device_decode import DeviceBatches, EncodedImages, JpegBatchDecoder, gpu_decode_problem
+from ds_infcl.data.device_decode import (
+    DeviceBatches,
+    EncodedImages,
+    JpegBatchDecoder,
+    ThreadedPrefetch,
+    gpu_decode_problem,
+)
 from ds_infcl.data.transforms import check_crop_scale
 from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.clip_data import (
@@ -93,6 +100,11 @@ class ClipTask:
             error otherwise, also under ``--check``), ``image_dtype: uint8``, and the batch kept
             where it is (``data.pin_memory: false``: images already on the device cannot be pinned).
         decode_batch: images per batched device decode call (``decode: gpu``).
+        decode_prefetch: batches decoded ahead in a background thread on a side CUDA stream
+            (``decode: gpu``; overlaps the decode with the training step); 0 decodes inline.
+        report_data_time: rank 0 prints, per batch, the seconds the trainer waited for it
+            (``[clip data] batch k ready after ...``; the trainer's step time excludes it), so that
+            a benchmark can tell the end-to-end rate.
         eval_batch_size: held-out batch size.
         positives: ``"pair"`` (image i with its own caption) or ``"caption"`` (with ``loss.impl:
             siglip``: every image whose caption is the same text is a positive too, so that
@@ -127,6 +139,8 @@ class ClipTask:
         random_crop_scale: Optional[Sequence[float]] = (0.9, 1.0),
         decode: str = "cpu",
         decode_batch: int = 1024,
+        decode_prefetch: int = 1,
+        report_data_time: bool = False,
         random_crop: Optional[float] = None,
         eval_batch_size: int = 512,
         positives: str = "pair",
@@ -162,7 +176,10 @@ class ClipTask:
                                   "PIL) or install the torchvision that matches torch")
         if decode_batch < 1:
             raise ConfigError(f"task.args.decode_batch must be >= 1, got {decode_batch}")
-        self.decode, self.decode_batch = decode, decode_batch
+        if decode_prefetch < 0:
+            raise ConfigError(f"task.args.decode_prefetch must be >= 0 (0: decode inline), got {decode_prefetch}")
+        self.decode, self.decode_batch, self.decode_prefetch = decode, decode_batch, decode_prefetch
+        self.report_data_time = report_data_time
         if prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
         self.prefetch_factor = prefetch_factor
@@ -276,16 +293,31 @@ class ClipTask:
         )
         loader_kwargs = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 else {}
         stream = iter(image_text_loader(dataset, num_workers=self.num_workers, **loader_kwargs))
+        prefetch = None
         if gpu:
-            decoder = JpegBatchDecoder(transform.image_size, self.decode_device(), decode_batch=self.decode_batch)
+            device = self.decode_device()
+            decoder = JpegBatchDecoder(transform.image_size, device, decode_batch=self.decode_batch)
             self._decoder = decoder
             stream = iter(DeviceBatches(stream, decoder, local_batch_size, self.tally, on_failure=_log_bad_image))
+            if self.decode_prefetch:
+                stream = prefetch = ThreadedPrefetch(stream, device, depth=self.decode_prefetch)
             count = lambda batch: None  # noqa: E731 -- DeviceBatches keeps the tally itself
         else:
             count = self.tally.update
-        for _ in range(start_step):
-            count(next(stream))
-        self.batches_consumed = start_step
+        try:
+            for _ in range(start_step):
+                count(next(stream))
+            self.batches_consumed = start_step
+            yield from self._steps(stream, count, rank)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
+
+    def _steps(self, stream, count, rank: int) -> Iterator[Dict[str, Any]]:
+        """The trainer's dicts from the loader's (or the device decoder's) batches."""
+        report = self.report_data_time and rank == 0
+        sync = self.decode == "gpu" and report  # the wait includes this batch's device decode (not the next's)
+        t0 = time.perf_counter()
         for batch in stream:
             count(batch)
             self.batches_consumed += 1
@@ -297,7 +329,13 @@ class ClipTask:
             if self.positives == "caption":
                 ids = caption_ids(batch["input_ids"], batch["attention_mask"])
                 out["loss_inputs"] = {"query_ids": ids, "key_ids": ids}
+            if report:
+                if sync and batch["image"].is_cuda:
+                    torch.cuda.current_stream(batch["image"].device).synchronize()
+                print(f"[clip data] batch {self.batches_consumed} ready after {time.perf_counter() - t0:.4f} s",
+                      flush=True)
             yield out
+            t0 = time.perf_counter()
 
     @staticmethod
     def decode_device() -> torch.device:

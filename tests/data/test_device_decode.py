@@ -157,3 +157,25 @@ def test_a_batch_short_of_a_multiple_is_counted_as_dropped(tmp_path):
     batches, counts = _epoch(pattern, transform, gpu=True, batch_size=4)
     # 10 samples, 1 bad: two batches of 4, the last good one dropped
     assert len(batches) == 2 and counts == {"dropped_last_batch": 1, "bad_image": 1}
+
+
+def test_threaded_prefetch_keeps_order_raises_and_stops():
+    from ds_infcl.data.device_decode import ThreadedPrefetch
+
+    items = [{"x": torch.tensor([i])} for i in range(7)]
+    assert [b["x"].item() for b in ThreadedPrefetch(iter(items), "cpu", depth=2)] == list(range(7))
+
+    def failing():
+        yield {"x": torch.tensor([0])}
+        raise OSError("shard gone")
+
+    stream = ThreadedPrefetch(failing(), "cpu")
+    assert next(stream)["x"].item() == 0
+    with pytest.raises(OSError, match="shard gone"):
+        next(stream)
+    endless = ThreadedPrefetch(({"x": torch.tensor([i])} for i in iter(int, 1)), "cpu")
+    next(endless)
+    endless.close()
+    assert not endless._thread.is_alive()
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ThreadedPrefetch(iter(items), "cpu", depth=0)
