@@ -17,6 +17,19 @@ Results: a printed table, ``<out>/results.csv`` and ``<out>/results.md`` (device
 With GradCache the towers hold one chunk of activations at a time, so the batch limit is set by
 the features, their cached gradients and the loss; the baseline's ``[b, B]`` logits grow
 quadratically. ``--arch tiny`` runs the same pipeline in seconds (CPU smoke test).
+
+An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "blocks"``),
+``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
+(``infcl+compile+auto``); ``--set KEY=VALUE`` overrides any run-config key of every case.
+``openclip_step`` is OpenCLIP's own training step (``ds_infcl.bench.openclip_step``: ``amp_bf16``,
+AdamW fused, eager, DDP and ``ClipLoss`` with ``local_loss`` + ``gather_with_grad``) at its
+largest batch per GPU: one process per size of ``--openclip-batches`` until one runs out of
+memory, plus its ``accum_freq`` path with ``--openclip-accum-freq``; its rows stand beside ours
+in the same table (samples/s per GPU and MFU counted the same way: 3 x the towers' forward FLOPs
+of one pair, against the GPU's dense bf16 peak).
+
+    python -m ds_infcl.bench.engine --num-gpus 1 --no-search --chunk-size 512 \
+        --impls infcl infcl+compile infcl+compile+auto openclip_step --out runs/towers
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from ds_infcl.bench.openclip_step import ARCHS as OPENCLIP_ARCHS
+from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE
+from ds_infcl.train.config import apply_overrides
 from ds_infcl.train.dist import free_port
 
 __all__ = ["main"]
@@ -50,14 +66,27 @@ def _tokens_per_sample(args) -> Optional[int]:
     return int(extra.get("seq_len", 256)) * (2 + int(extra.get("num_negatives", 1)))
 
 
+IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto"}
+
+
+def parse_impl(spec: str):
+    """``"infcl+compile+auto"`` -> ``("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])``."""
+    loss, *options = spec.split("+")
+    unknown = [o for o in options if o not in IMPL_OPTIONS]
+    if not loss or unknown:
+        raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)}")
+    return loss, [IMPL_OPTIONS[o] for o in options]
+
+
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
-    out = os.path.join(args.out, tag)
+    out = os.path.join(args.out, tag.replace("+", "_"))
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     chunk = min(args.chunk_size, global_batch // args.num_gpus)
+    loss_impl, impl_sets = parse_impl(impl)
     run = {
         "task": {"name": args.task, "args": _task_args(args)},
-        "loss": {"impl": impl},
+        "loss": {"impl": loss_impl},
         "batch": {"global_batch_size": global_batch, "grad_cache": True, "chunk_size": chunk},
         "data": {"offload": True},
         "train": {"num_steps": steps, "seed": 0},
@@ -66,6 +95,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
         "checkpoint": {"every_steps": 0, "at_end": False, "export_final": False},
         "output_dir": out,
     }
+    run = apply_overrides(run, impl_sets + list(args.set))
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(run, f, indent=2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -95,12 +125,16 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
         status = "oom"
     if status == "failed":
         print(f"[bench] {tag} failed; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-30:]), flush=True)
-    row = {"impl": impl, "global_batch": global_batch, "gpus": args.num_gpus, "chunk": chunk, "steps": steps,
-           "status": status, "samples_per_s": "", "step_time_s": "", "peak_mem_gib": "", "wall_s": round(wall, 1)}
+    row = {"impl": impl, "global_batch": global_batch, "gpus": args.num_gpus, "chunk": run["batch"]["chunk_size"], "steps": steps,
+           "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
+           "wall_s": round(wall, 1)}
     if status == "ok":
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)
         row["samples_per_s"] = round(s["samples_per_s"], 1)
+        row["samples_per_s_per_gpu"] = round(s["samples_per_s"] / args.num_gpus, 1)
+        with open(os.path.join(out, "run_config.json")) as f:
+            row["chunk"] = json.load(f)["batch"]["chunk_size"]  # what "auto" chose
         row["step_time_s"] = round(global_batch / s["samples_per_s"], 3) if s["samples_per_s"] else ""
         row["peak_mem_gib"] = round(s["peak_mem_mib"] / 1024, 2)
         if s.get("mfu") is not None:
@@ -112,6 +146,74 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
           f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} "
           f"peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
     return row
+
+
+def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int) -> Dict:
+    """One ``ds_infcl.bench.openclip_step`` process (``torchrun`` on several GPUs): a row of the
+    table; status ``no open_clip`` when it cannot be imported."""
+    tag = f"openclip_step_{batch_per_gpu}" + (f"_accum{accum_freq}" if accum_freq > 1 else "")
+    out = os.path.join(args.out, tag)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    module_args = ["-m", "ds_infcl.bench.openclip_step", "--arch", args.arch, "--batch-per-gpu", str(batch_per_gpu),
+                   "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--out", out]
+    if args.num_gpus > 1:
+        torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, "--nproc_per_node", str(args.num_gpus), "--master_port", str(free_port())] + module_args
+    else:
+        cmd = [sys.executable] + module_args
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    log_path = os.path.join(out, "log.txt")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.case_timeout)
+            status = "ok" if rc == 0 else ("no open_clip" if rc == MISSING_EXIT_CODE else "failed")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            status = "timeout"
+    text = open(log_path, errors="replace").read()
+    if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
+        status = "oom"
+    if status in ("failed", "no open_clip"):
+        print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
+    row = {"impl": "openclip_step" + (f" accum_freq {accum_freq}" if accum_freq > 1 else ""), "phase": "openclip",
+           "global_batch": batch_per_gpu * args.num_gpus, "gpus": args.num_gpus,
+           "chunk": batch_per_gpu // accum_freq if accum_freq > 1 else "", "steps": args.openclip_steps,
+           "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
+           "wall_s": round(time.time() - t0, 1)}
+    if status == "ok":
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+        row["samples_per_s_per_gpu"] = round(s["samples_per_s_per_gpu"], 1)
+        row["samples_per_s"] = round(s["samples_per_s_per_gpu"] * args.num_gpus, 1)
+        row["step_time_s"] = round(s["step_time_s"], 3)
+        row["peak_mem_gib"] = round(s["peak_mem_gib"], 2)
+        if s.get("mfu") is not None:
+            row["mfu"] = round(s["mfu"], 4)
+    print(f"[bench] {row['impl']} batch/GPU={batch_per_gpu} {status} sps/GPU={row['samples_per_s_per_gpu']} "
+          f"mfu={row.get('mfu', '-')} peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
+    return row
+
+
+def _openclip_rows(args) -> List[Dict]:
+    """OpenCLIP's step at each of ``--openclip-batches`` (ascending) until one does not run; then
+    its ``accum_freq`` path once, if asked."""
+    rows: List[Dict] = []
+    if args.arch not in OPENCLIP_ARCHS:
+        print(f"[bench] openclip_step: no OpenCLIP model for --arch {args.arch} (only {sorted(OPENCLIP_ARCHS)}); skipped",
+              flush=True)
+        return rows
+    for b in sorted(args.openclip_batches):
+        rows.append(_run_openclip_case(args, b, 1))
+        if rows[-1]["status"] != "ok":
+            break
+    if args.openclip_accum_freq > 1 and (not rows or rows[-1]["status"] != "no open_clip"):
+        rows.append(_run_openclip_case(args, args.openclip_accum_micro * args.openclip_accum_freq, args.openclip_accum_freq))
+    return rows
 
 
 def _gpu_info() -> Dict[str, object]:
@@ -144,14 +246,17 @@ def _linear_limit(rows: List[Dict], impl: str, mem_gib: Optional[float]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--num-gpus", type=int, default=1)
-    p.add_argument("--impls", nargs="+", default=["local", "infcl"])
-    p.add_argument("--arch", default="vit-b-16", help="bench_clip: vit-b-16 or tiny (CPU smoke test)")
+    p.add_argument("--impls", nargs="+", default=["local", "infcl"],
+                   help="loss impls, each optionally +compile and/or +auto (e.g. infcl+compile+auto), and openclip_step")
+    p.add_argument("--arch", default="vit-b-16", choices=["vit-b-16", "vit-l-14", "tiny"],
+                   help="bench_clip towers (tiny: CPU smoke test); openclip_step runs the same OpenCLIP model")
     p.add_argument("--task", default="bench_clip", choices=["bench_clip", "bench_decoder"],
                    help="bench_clip (CLIP towers) or bench_decoder (an LLM embedder, e.g. Qwen2-1.5B's shape)")
     p.add_argument("--task-args", default=None, metavar="JSON",
                    help='task arguments, e.g. \'{"arch": "qwen2-1.5b", "seq_len": 256, "lora": {"r": 16}}\'')
     p.add_argument("--chunk-size", type=int, default=256, help="GradCache chunk per GPU")
-    p.add_argument("--throughput-batch", type=int, default=16384, help="0 skips the throughput phase")
+    p.add_argument("--throughput-batch", type=int, nargs="+", default=[16384],
+                   help="global batch(es) of the throughput phase; 0 skips it")
     p.add_argument("--steps", type=int, default=4, help="throughput steps (the first is warm-up)")
     p.add_argument("--search-start", type=int, default=32768)
     p.add_argument("--search-max", type=int, default=1 << 20)
@@ -161,18 +266,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
                    help="more DeepSpeed JSON overrides for every case (repeatable), e.g. "
                    "zero_optimization.stage3_param_persistence_threshold=1e12")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="run-config overrides for every case of ours (repeatable), e.g. model.compile_mode=max-autotune")
+    p.add_argument("--openclip-batches", type=int, nargs="+", default=[256, 512, 768, 1024],
+                   help="openclip_step: batches per GPU tried in ascending order until one fails (out of memory)")
+    p.add_argument("--openclip-accum-freq", type=int, default=1,
+                   help="openclip_step: also run OpenCLIP's accum_freq path with this many micro-batches (> 1)")
+    p.add_argument("--openclip-accum-micro", type=int, default=256, help="openclip_step: micro-batch of the accum_freq run")
+    p.add_argument("--openclip-steps", type=int, default=5, help="openclip_step: timed steps (after 2 warm-up steps)")
     p.add_argument("--label", default=None, help="title of the results table (default: the DeepSpeed config's name)")
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
+    ours = [i for i in args.impls if i != "openclip_step"]
+    for impl in ours:
+        try:
+            parse_impl(impl)
+        except ValueError as e:
+            p.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     gpu = _gpu_info()
 
     rows = []
-    for impl in args.impls if args.throughput_batch > 0 else ():
-        rows.append(dict(_run_case(args, impl, args.throughput_batch, args.steps, f"{impl}_tp_{args.throughput_batch}"), phase="throughput"))
+    for batch in [b for b in args.throughput_batch if b > 0]:
+        for impl in ours:
+            rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
+    if "openclip_step" in args.impls:
+        rows += _openclip_rows(args)
     largest: Dict[str, str] = {}
     if not args.no_search:
-        for impl in args.impls:
+        for impl in ours:
             B, best, why = args.search_start, None, "cap"
             while B <= args.search_max:
                 row = dict(_run_case(args, impl, B, 1, f"{impl}_max_{B}"), phase="search")
@@ -184,24 +306,29 @@ def main(argv: Optional[List[str]] = None) -> int:
                 B *= 2
             largest[impl] = "none" if best is None else (f"{best}" if why == "oom" else f">= {best} ({why})")
 
-    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "tokens_per_s",
-              "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
+    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "samples_per_s_per_gpu",
+              "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     lines = [
         f"# Training-step benchmark: {args.arch}, {args.label or os.path.basename(args.deepspeed_config)}"
-        f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}, GradCache chunk {args.chunk_size}/GPU",
+        f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
+        f"GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-        "| impl | global batch | status | samples/s | step time (s) | peak memory / GPU (GiB) |", "| --- | --- | --- | --- | --- | --- |",
+        "| impl | GPUs | global batch | chunk | status | samples/s per GPU | MFU | step time (s) | peak memory / GPU (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        if r["phase"] == "throughput":
-            lines.append(f"| {r['impl']} | {r['global_batch']} | {r['status']} | {r['samples_per_s']} | {r['step_time_s']} | {r['peak_mem_gib']} |")
+        if r["phase"] in ("throughput", "openclip"):
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") not in (None, "") else ""
+            lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r['status']} | "
+                         f"{r['samples_per_s_per_gpu']} | {mfu} | {r['step_time_s']} | {r['peak_mem_gib']} |")
     if largest:
         lines += ["", "| impl | largest global batch that ran (one step) | memory-limited estimate |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k == 'infcl' else ''} |" for k, v in largest.items()]
+        lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k.startswith('infcl') else ''} |"
+                  for k, v in largest.items()]
         lines += ["", "Search rows (batch, status, peak GiB): " + "; ".join(
             f"{r['impl']} {r['global_batch']} {r['status']} {r['peak_mem_gib']}" for r in rows if r["phase"] == "search")]
     with open(os.path.join(args.out, "results.md"), "w") as f:

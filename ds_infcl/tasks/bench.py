@@ -2,7 +2,9 @@
 
 Towers are random-initialized ``transformers`` CLIP models built from configs (no download):
 ``vit-b-16`` is OpenCLIP's ViT-B/16 (image: 224 px, patch 16, width 768, 12 layers; text:
-context 77, width 512, 12 layers; embedding 512), ``tiny`` a few-kB version for CPU smoke tests.
+context 77, width 512, 12 layers; embedding 512), ``vit-l-14`` OpenCLIP's ViT-L/14 (image: patch 14, width
+1024, 24 layers; text: width 768, 12 layers; embedding 768), ``tiny`` a few-kB version for CPU
+smoke tests.
 
 Inputs are generated *on the device from the global sample indices*: a batch on the host is just
 ``[b]`` int64 indices, and the towers turn a chunk's indices into pixels and token ids with a
@@ -29,6 +31,12 @@ ARCHS: Dict[str, Dict[str, Any]] = {
                        image_size=224, patch_size=16, projection_dim=512),
         "text": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
                      max_position_embeddings=77, vocab_size=49408, projection_dim=512),
+    },
+    "vit-l-14": {
+        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       image_size=224, patch_size=14, projection_dim=768),
+        "text": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                     max_position_embeddings=77, vocab_size=49408, projection_dim=768),
     },
     "tiny": {
         "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -84,7 +92,7 @@ class BenchClipTask(Task):
     """Random-init CLIP towers on generated inputs (see the module docstring).
 
     Args:
-        arch: ``"vit-b-16"`` or ``"tiny"``.
+        arch: ``"vit-b-16"``, ``"vit-l-14"`` or ``"tiny"``.
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
     """
 

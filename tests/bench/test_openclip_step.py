@@ -1,0 +1,111 @@
+"""``bench.openclip_step`` and its place in ``bench.engine``, on CPU: argument handling, the clear
+exit when ``open_clip`` cannot be imported, and the step itself on a stand-in ``open_clip``
+module (tiny linear towers; the real one needs torchvision and a GPU): FLOPs counted as the
+trainer counts them, OpenCLIP's ``accum_freq`` path training like the plain step."""
+
+import argparse
+import importlib.util
+import json
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from ds_infcl.bench import engine, openclip_step
+
+
+class _StubClip(nn.Module):
+    """OpenCLIP's ``CLIP`` interface on two linear towers (image: flattened 3x4x4 pixels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.visual = nn.Linear(48, 8)
+        self.visual.image_size = (4, 4)
+        self.embed = nn.Embedding(10, 8)
+        self.text_proj = nn.Linear(8, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(2.659))
+        self.vocab_size, self.context_length = 10, 5
+
+    def encode_image(self, image):
+        return nn.functional.normalize(self.visual(image.flatten(1)), dim=-1)
+
+    def encode_text(self, text):
+        return nn.functional.normalize(self.text_proj(self.embed(text).mean(1)), dim=-1)
+
+    def forward(self, image, text):
+        return {"image_features": self.encode_image(image), "text_features": self.encode_text(text),
+                "logit_scale": self.logit_scale.exp()}
+
+
+class _StubClipLoss(nn.Module):
+    def __init__(self, local_loss, gather_with_grad, cache_labels, rank, world_size):
+        super().__init__()
+        assert world_size == 1 and not local_loss and not gather_with_grad
+
+    def forward(self, image_features, text_features, logit_scale):
+        logits = logit_scale * image_features @ text_features.T
+        labels = torch.arange(len(logits))
+        return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+
+@pytest.fixture
+def stub_open_clip(monkeypatch):
+    mod = types.ModuleType("open_clip")
+    mod.__version__ = "stub"
+    mod.create_model = lambda name, pretrained, precision, device, output_dict: _StubClip().to(device)
+    mod.loss = types.SimpleNamespace(ClipLoss=_StubClipLoss)
+    monkeypatch.setitem(sys.modules, "open_clip", mod)
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    return mod
+
+
+def test_arguments():
+    assert openclip_step.open_clip_model_name("vit-l-14") == "ViT-L-14"
+    with pytest.raises(ValueError, match=r"no OpenCLIP model for arch 'tiny'; choose one of \['vit-b-16', 'vit-l-14'\]"):
+        openclip_step.open_clip_model_name("tiny")
+    args = openclip_step.parse_args(["--batch-per-gpu", "512", "--accum-freq", "4", "--out", "x"])
+    assert (args.arch, args.batch_per_gpu, args.accum_freq, args.device) == ("vit-b-16", 512, 4, "cuda")
+    for bad in (["--batch-per-gpu", "6", "--accum-freq", "4"], ["--batch-per-gpu", "0"], ["--batch-per-gpu", "8", "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            openclip_step.parse_args(bad + ["--out", "x"])
+    assert engine.parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
+    assert engine.parse_impl("local") == ("local", [])
+    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options \['auto', 'compile'\]"):
+        engine.parse_impl("infcl+fast")
+
+
+def test_missing_open_clip_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "open_clip", None)  # import open_clip raises ImportError
+    rc = openclip_step.main(["--batch-per-gpu", "4", "--out", str(tmp_path)])
+    assert rc == openclip_step.MISSING_EXIT_CODE
+    out = capsys.readouterr().out
+    assert "open_clip could not be imported" in out and "pip install open_clip_torch" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="open_clip may import here; the row would run")
+def test_engine_row_says_open_clip_is_missing(tmp_path):
+    args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, case_timeout=120, out=str(tmp_path))
+    row = engine._run_openclip_case(args, 8, 1)
+    assert row["status"] == "no open_clip" and row["impl"] == "openclip_step" and row["samples_per_s_per_gpu"] == ""
+    assert "pip install open_clip_torch" in (tmp_path / "openclip_step_8" / "log.txt").read_text()
+    skipped = engine._openclip_rows(argparse.Namespace(arch="tiny"))
+    assert skipped == []
+
+
+def test_step_on_a_stand_in_open_clip(stub_open_clip, tmp_path):
+    summaries = {}
+    for accum in (1, 2):
+        out = tmp_path / f"accum{accum}"
+        assert openclip_step.main(["--device", "cpu", "--batch-per-gpu", "8", "--accum-freq", str(accum),
+                                   "--warmup", "0", "--steps", "4", "--lr", "0.01", "--out", str(out)]) == 0
+        summaries[accum] = json.loads((out / "summary.json").read_text())
+    s = summaries[1]
+    # 3 x forward FLOPs of one pair: the image linear (2 x 48 x 8) and the text projection (2 x 8 x 8)
+    assert s["model_flops_per_sample"] == 3 * (2 * 48 * 8 + 2 * 8 * 8)
+    assert s["samples_per_s_per_gpu"] > 0 and s["mfu"] is None and s["global_batch"] == 8
+    # accum_freq 2 computes the same loss and the same summed gradients: the same training
+    assert s["losses"][-1] < s["losses"][0] - 0.05  # it trains (lr 0.01)
+    assert summaries[2]["losses"] == pytest.approx(s["losses"], rel=1e-2)
