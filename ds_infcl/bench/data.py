@@ -15,7 +15,7 @@ Rows (each after a warm-up batch that is not timed):
   and crop boxes read first (untimed), then ``JpegBatchDecoder`` on them (``cuda.synchronize``
   after each batch): decoded images/s of one GPU.
 - ``gpu loader``: the whole ``decode: gpu`` stream: ``N`` workers reading headers and drawing
-  boxes, the main process decoding on the device (``DeviceBatches``).
+  boxes, the main process decoding on the device (``Rebatch``).
 
 GPU rows are ``skipped`` (with the reason) without CUDA and torchvision. Results: a printed table
 (last), ``<out>/results.csv`` and ``<out>/results.json``.
@@ -34,7 +34,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader
-from ds_infcl.data.device_decode import DeviceBatches, EncodedImages, JpegBatchDecoder, gpu_decode_problem
+from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder, gpu_decode_problem
+from ds_infcl.data.rebatch import Rebatch
 from ds_infcl.data.transforms import check_crop_scale
 
 __all__ = ["main"]
@@ -139,7 +140,7 @@ def bench_gpu_loader(args, workers: int, decode=None) -> Dict[str, Any]:
     loader = image_text_loader(_dataset(args, EncodedImages(_transform(args))), num_workers=workers,
                                **({"prefetch_factor": args.prefetch_factor} if workers else {}))
     decoder = JpegBatchDecoder(args.image_size, device, decode=decode, decode_batch=args.decode_batch)
-    stream = iter(DeviceBatches(iter(loader), decoder, args.batch_size, tally))
+    stream = iter(Rebatch(iter(loader), args.batch_size, tally, decoder=decoder))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     images, seconds = _timed_batches(stream, args.batches_per_worker * max(workers, 1),
                                      lambda b: len(b["idx"]), sync, warmup=max(workers, 1))

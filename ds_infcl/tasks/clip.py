@@ -37,13 +37,8 @@ from ds_infcl.adapters.clip import CONFIG_NAME, ClipModel
 from ds_infcl.adapters.clip_eval import evaluate_encoders
 from ds_infcl.adapters.clip_tokenizer import CaptionTokenizer
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader, read_captions
-from ds_infcl.data.device_decode import (
-    DeviceBatches,
-    EncodedImages,
-    JpegBatchDecoder,
-    ThreadedPrefetch,
-    gpu_decode_problem,
-)
+from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder, gpu_decode_problem
+from ds_infcl.data.rebatch import Rebatch, ThreadedPrefetch
 from ds_infcl.data.transforms import check_crop_scale
 from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.clip_data import (
@@ -100,11 +95,17 @@ class ClipTask:
             error otherwise, also under ``--check``), ``image_dtype: uint8``, and the batch kept
             where it is (``data.pin_memory: false``: images already on the device cannot be pinned).
         decode_batch: images per batched device decode call (``decode: gpu``).
-        decode_prefetch: batches decoded ahead in a background thread on a side CUDA stream
-            (``decode: gpu``; overlaps the decode with the training step); 0 decodes inline.
-        report_data_time: rank 0 prints, per batch, the seconds the trainer waited for it
-            (``[clip data] batch k ready after ...``; the trainer's step time excludes it), so that
-            a benchmark can tell the end-to-end rate.
+        worker_batch_size: samples per loader-worker batch; the rank assembles its batch from
+            them (``None``: each worker builds whole per-rank batches). Small worker batches (a few
+            hundred) keep the workers' shared memory small and the first batch early at large
+            per-rank batches (a 16k batch of 224 px images is 2.5 GB per worker otherwise).
+        prefetch_batches: batches assembled (with ``decode: gpu``, decoded on a side CUDA stream)
+            ahead in a background thread while the step runs, when batches are reassembled
+            (``worker_batch_size`` or ``decode: gpu``); 0 does it inline.
+        report_data_time: rank 0 prints, per batch, the seconds the trainer waited for it (the
+            trainer's step time excludes them) and the cycle since the previous request
+            (``[clip data] batch k waited W s, cycle C s``): ``global batch / C`` is the
+            end-to-end rate.
         eval_batch_size: held-out batch size.
         positives: ``"pair"`` (image i with its own caption) or ``"caption"`` (with ``loss.impl:
             siglip``: every image whose caption is the same text is a positive too, so that
@@ -139,7 +140,8 @@ class ClipTask:
         random_crop_scale: Optional[Sequence[float]] = (0.9, 1.0),
         decode: str = "cpu",
         decode_batch: int = 1024,
-        decode_prefetch: int = 1,
+        worker_batch_size: Optional[int] = None,
+        prefetch_batches: int = 1,
         report_data_time: bool = False,
         random_crop: Optional[float] = None,
         eval_batch_size: int = 512,
@@ -176,9 +178,12 @@ class ClipTask:
                                   "PIL) or install the torchvision that matches torch")
         if decode_batch < 1:
             raise ConfigError(f"task.args.decode_batch must be >= 1, got {decode_batch}")
-        if decode_prefetch < 0:
-            raise ConfigError(f"task.args.decode_prefetch must be >= 0 (0: decode inline), got {decode_prefetch}")
-        self.decode, self.decode_batch, self.decode_prefetch = decode, decode_batch, decode_prefetch
+        if prefetch_batches < 0:
+            raise ConfigError(f"task.args.prefetch_batches must be >= 0 (0: inline), got {prefetch_batches}")
+        if worker_batch_size is not None and worker_batch_size < 1:
+            raise ConfigError(f"task.args.worker_batch_size must be >= 1 or null (whole batches), got {worker_batch_size}")
+        self.decode, self.decode_batch, self.prefetch_batches = decode, decode_batch, prefetch_batches
+        self.worker_batch_size = worker_batch_size
         self.report_data_time = report_data_time
         if prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
@@ -285,23 +290,26 @@ class ClipTask:
         self._rank = rank
         transform = self._transform(train=True)
         gpu = self.decode == "gpu"
+        worker_batch = self.worker_batch_size or local_batch_size
+        rebatch = gpu or worker_batch != local_batch_size
         dataset = ImageTextShards(
             self.train_shards, image_transform=EncodedImages(transform) if gpu else transform,
-            batch_size=local_batch_size, tokenizer=self.tokenizer, rank=rank, world_size=world_size,
+            batch_size=worker_batch, tokenizer=self.tokenizer, rank=rank, world_size=world_size,
             shuffle_buffer=self.shuffle_buffer, repeat=not self.resampled, resampled=self.resampled,
-            drop_last=not gpu, seed=seed,  # gpu: DeviceBatches refills across worker batches, drops at the end
+            drop_last=not rebatch, seed=seed,  # Rebatch refills across worker batches and drops once, at the end
         )
         loader_kwargs = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 else {}
         stream = iter(image_text_loader(dataset, num_workers=self.num_workers, **loader_kwargs))
         prefetch = None
-        if gpu:
-            device = self.decode_device()
-            decoder = JpegBatchDecoder(transform.image_size, device, decode_batch=self.decode_batch)
+        if rebatch:
+            device = self.decode_device() if gpu else torch.device("cpu")
+            decoder = JpegBatchDecoder(transform.image_size, device, decode_batch=self.decode_batch) if gpu else None
             self._decoder = decoder
-            stream = iter(DeviceBatches(stream, decoder, local_batch_size, self.tally, on_failure=_log_bad_image))
-            if self.decode_prefetch:
-                stream = prefetch = ThreadedPrefetch(stream, device, depth=self.decode_prefetch)
-            count = lambda batch: None  # noqa: E731 -- DeviceBatches keeps the tally itself
+            stream = iter(Rebatch(stream, local_batch_size, self.tally, decoder=decoder,
+                                  pin=not gpu and torch.cuda.is_available(), on_failure=_log_bad_image))
+            if self.prefetch_batches:
+                stream = prefetch = ThreadedPrefetch(stream, device, depth=self.prefetch_batches)
+            count = lambda batch: None  # noqa: E731 -- Rebatch keeps the tally itself
         else:
             count = self.tally.update
         try:
@@ -314,10 +322,13 @@ class ClipTask:
                 prefetch.close()
 
     def _steps(self, stream, count, rank: int) -> Iterator[Dict[str, Any]]:
-        """The trainer's dicts from the loader's (or the device decoder's) batches."""
+        """The trainer's dicts from the loader's (or the device decoder's) batches; with
+        ``report_data_time``, rank 0 prints per batch how long the trainer waited for it and the
+        time since its previous request (a whole step as the trainer runs it: wait, placement,
+        step, logging), so that ``global batch / cycle`` is the end-to-end rate."""
         report = self.report_data_time and rank == 0
         sync = self.decode == "gpu" and report  # the wait includes this batch's device decode (not the next's)
-        t0 = time.perf_counter()
+        asked, previous = time.perf_counter(), None
         for batch in stream:
             count(batch)
             self.batches_consumed += 1
@@ -332,10 +343,11 @@ class ClipTask:
             if report:
                 if sync and batch["image"].is_cuda:
                     torch.cuda.current_stream(batch["image"].device).synchronize()
-                print(f"[clip data] batch {self.batches_consumed} ready after {time.perf_counter() - t0:.4f} s",
+                cycle = "" if previous is None else f", cycle {asked - previous:.4f} s"
+                print(f"[clip data] batch {self.batches_consumed} waited {time.perf_counter() - asked:.4f} s{cycle}",
                       flush=True)
             yield out
-            t0 = time.perf_counter()
+            previous, asked = asked, time.perf_counter()
 
     @staticmethod
     def decode_device() -> torch.device:

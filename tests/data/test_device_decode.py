@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader
-from ds_infcl.data.device_decode import DeviceBatches, EncodedImages, JpegBatchDecoder, crop_resize
+from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder, crop_resize
+from ds_infcl.data.rebatch import Rebatch
 from ds_infcl.data.shards import write_image_text_shards
 
 
@@ -119,7 +120,7 @@ def _epoch(pattern, transform, gpu, batch_size=4, num_workers=0):
     tally = BadSampleTally()
     stream = image_text_loader(dataset, num_workers=num_workers)
     if gpu:
-        batches = list(DeviceBatches(iter(stream), JpegBatchDecoder(16, "cpu", decode=pil_decode), batch_size, tally))
+        batches = list(Rebatch(iter(stream), batch_size, tally, decoder=JpegBatchDecoder(16, "cpu", decode=pil_decode)))
     else:
         batches = []
         for b in stream:
@@ -160,7 +161,7 @@ def test_a_batch_short_of_a_multiple_is_counted_as_dropped(tmp_path):
 
 
 def test_threaded_prefetch_keeps_order_raises_and_stops():
-    from ds_infcl.data.device_decode import ThreadedPrefetch
+    from ds_infcl.data.rebatch import ThreadedPrefetch
 
     items = [{"x": torch.tensor([i])} for i in range(7)]
     assert [b["x"].item() for b in ThreadedPrefetch(iter(items), "cpu", depth=2)] == list(range(7))
@@ -179,3 +180,14 @@ def test_threaded_prefetch_keeps_order_raises_and_stops():
     assert not endless._thread.is_alive()
     with pytest.raises(ValueError, match="depth must be >= 1"):
         ThreadedPrefetch(iter(items), "cpu", depth=0)
+
+
+def test_rebatch_splits_and_joins_worker_batches():
+    raw = [{"image": torch.full((3, 1), float(k)), "idx": torch.arange(3 * k, 3 * k + 3), "text": [f"t{3 * k + i}" for i in range(3)],
+            "bad_samples": {"bad_json": k}, "reader": k % 2} for k in range(4)]
+    tally = BadSampleTally()
+    out = list(Rebatch(iter(raw), 5, tally))
+    assert [b["idx"].tolist() for b in out] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert out[1]["text"] == ["t5", "t6", "t7", "t8", "t9"] and out[1]["image"].flatten().tolist() == [1, 2, 2, 2, 3]
+    # the readers' last counts (reader 0: 2, reader 1: 3) and the 2 samples left at the end
+    assert tally.counts == {"bad_json": 5, "dropped_last_batch": 2}

@@ -83,7 +83,7 @@ def test_gpu_decode_path_matches_the_cpu_path(jpeg_dir, monkeypatch, prefetch, c
     monkeypatch.setattr(dd, "torchvision_decode_jpeg", _pil_decode_jpeg)
     monkeypatch.setattr(ClipTask, "decode_device", staticmethod(lambda: torch.device("cpu")))
     cpu = _task(jpeg_dir)
-    gpu = _task(jpeg_dir, decode="gpu", decode_batch=5, decode_prefetch=prefetch, report_data_time=True)
+    gpu = _task(jpeg_dir, decode="gpu", decode_batch=5, prefetch_batches=prefetch, report_data_time=True)
     cpu.build_towers()
     gpu.build_towers()
     a = cpu.batches(rank=0, world_size=1, local_batch_size=8, start_step=0, seed=1)
@@ -103,3 +103,21 @@ def test_gpu_decode_path_matches_the_cpu_path(jpeg_dir, monkeypatch, prefetch, c
     resumed = next(gpu.batches(rank=0, world_size=1, local_batch_size=8, start_step=5, seed=1))
     assert torch.equal(resumed["sample_index"], y["sample_index"])
     assert torch.equal(resumed["query_inputs"], y["query_inputs"])
+
+
+def test_worker_batches_are_assembled_into_the_ranks_batch(jpeg_dir):
+    """``worker_batch_size``: workers build small batches and the rank assembles its own; with one
+    reader the stream is the same sample for sample, crop for crop, as whole batches."""
+    whole, small = _task(jpeg_dir), _task(jpeg_dir, worker_batch_size=3)
+    whole.build_towers()
+    small.build_towers()
+    a = whole.batches(rank=0, world_size=1, local_batch_size=8, start_step=0, seed=4)
+    b = small.batches(rank=0, world_size=1, local_batch_size=8, start_step=0, seed=4)
+    for _ in range(5):
+        x, y = next(a), next(b)
+        assert torch.equal(x["sample_index"], y["sample_index"]) and torch.equal(x["query_inputs"], y["query_inputs"])
+        assert torch.equal(x["key_inputs"]["attention_mask"], y["key_inputs"]["attention_mask"])
+    with pytest.raises(ConfigError, match="worker_batch_size must be >= 1 or null"):
+        _task(jpeg_dir, worker_batch_size=0)
+    with pytest.raises(ConfigError, match="prefetch_batches must be >= 0"):
+        _task(jpeg_dir, prefetch_batches=-1)
