@@ -161,10 +161,11 @@ def crop_resize(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.T
     g, _, height, width = images.shape
     if g == 0:
         return images.new_zeros(0, images.shape[1], size, size)
-    boxes = boxes.to(device=images.device, dtype=torch.float32)
-    x = images.float()
+    boxes = boxes.to(dtype=torch.float32)
     side = torch.minimum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1])
-    factor = int(float(side.min()) // size)
+    factor = int(float(side.min()) // size)  # boxes come from the host: no device synchronization
+    boxes = boxes.to(device=images.device)
+    x = images.float()
     if factor >= 2:
         x = F.avg_pool2d(x, factor, ceil_mode=True)
         boxes = boxes / factor

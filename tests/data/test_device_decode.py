@@ -113,14 +113,15 @@ def test_workers_draw_the_cpu_paths_crop_boxes():
         EncodedImages(ImageTransform(24, output="float32"))
 
 
-def _epoch(pattern, transform, gpu, batch_size=4, num_workers=0):
+def _epoch(pattern, transform, gpu, batch_size=4, num_workers=0, decoder=None):
     # GPU path: the workers keep their last partial batch, the device batcher refills and drops
     dataset = ImageTextShards(pattern, image_transform=EncodedImages(transform) if gpu else transform,
                               batch_size=batch_size, shuffle_shards=False, drop_last=not gpu, seed=3)
     tally = BadSampleTally()
     stream = image_text_loader(dataset, num_workers=num_workers)
     if gpu:
-        batches = list(Rebatch(iter(stream), batch_size, tally, decoder=JpegBatchDecoder(16, "cpu", decode=pil_decode)))
+        decoder = decoder or JpegBatchDecoder(16, "cpu", decode=pil_decode)
+        batches = list(Rebatch(iter(stream), batch_size, tally, decoder=decoder))
     else:
         batches = []
         for b in stream:
@@ -129,11 +130,14 @@ def _epoch(pattern, transform, gpu, batch_size=4, num_workers=0):
     return batches, tally.counts
 
 
+DAMAGED_STREAM = ["good", "png", "no_scan", "grey", "truncated", "good", "garbage", "no_scan", "good", "png",
+                  "grey", "good", "good", "no_scan", "good", "good", "grey", "good", "good", "good", "good"]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_bad_images_are_counted_as_on_the_cpu_path_and_batches_stay_full(tmp_path, num_workers):
     bad = damaged_images()
-    names = ["good", "png", "no_scan", "grey", "truncated", "good", "garbage", "no_scan", "good", "png",
-             "grey", "good", "good", "no_scan", "good", "good", "grey", "good", "good", "good", "good"]
+    names = DAMAGED_STREAM
     pattern = write(tmp_path / "s", [bad[n] for n in names], per_shard=7)
     transform = lambda: ImageTransform(16, train=True, random_crop_scale=(0.9, 1.0), output="uint8")  # noqa: E731
     cpu_batches, cpu_counts = _epoch(pattern, transform(), gpu=False, num_workers=num_workers)
