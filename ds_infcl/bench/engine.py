@@ -243,6 +243,39 @@ def _linear_limit(rows: List[Dict], impl: str, mem_gib: Optional[float]) -> str:
     return f"~{int(b2 + (mem_gib - m2) / slope):,} (linear extrapolation of peak memory, {slope * 2**20:.2f} GiB per 1M samples)"
 
 
+def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict[str, str]) -> List[str]:
+    """Write ``results.csv`` and ``results.md`` (rewritten after every case, so that a run cut short
+    keeps its finished rows) and return the markdown lines."""
+    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "samples_per_s_per_gpu",
+              "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    lines = [
+        f"# Training-step benchmark: {args.arch}, {args.label or os.path.basename(args.deepspeed_config)}"
+        f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
+        f"GradCache chunk {args.chunk_size}/GPU",
+        "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+        "| impl | GPUs | global batch | chunk | status | samples/s per GPU | MFU | step time (s) | peak memory / GPU (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["phase"] in ("throughput", "openclip"):
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") not in (None, "") else ""
+            lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r['status']} | "
+                         f"{r['samples_per_s_per_gpu']} | {mfu} | {r['step_time_s']} | {r['peak_mem_gib']} |")
+    if largest:
+        lines += ["", "| impl | largest global batch that ran (one step) | memory-limited estimate |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k.startswith('infcl') else ''} |"
+                  for k, v in largest.items()]
+        lines += ["", "Search rows (batch, status, peak GiB): " + "; ".join(
+            f"{r['impl']} {r['global_batch']} {r['status']} {r['peak_mem_gib']}" for r in rows if r["phase"] == "search")]
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--num-gpus", type=int, default=1)
@@ -290,8 +323,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for batch in [b for b in args.throughput_batch if b > 0]:
         for impl in ours:
             rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
+            _write_results(args, gpu, rows, {})
     if "openclip_step" in args.impls:
         rows += _openclip_rows(args)
+        _write_results(args, gpu, rows, {})
     largest: Dict[str, str] = {}
     if not args.no_search:
         for impl in ours:
@@ -306,33 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 B *= 2
             largest[impl] = "none" if best is None else (f"{best}" if why == "oom" else f">= {best} ({why})")
 
-    fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "samples_per_s_per_gpu",
-              "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
-    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    lines = [
-        f"# Training-step benchmark: {args.arch}, {args.label or os.path.basename(args.deepspeed_config)}"
-        f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
-        f"GradCache chunk {args.chunk_size}/GPU",
-        "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-        "| impl | GPUs | global batch | chunk | status | samples/s per GPU | MFU | step time (s) | peak memory / GPU (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        if r["phase"] in ("throughput", "openclip"):
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") not in (None, "") else ""
-            lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r['status']} | "
-                         f"{r['samples_per_s_per_gpu']} | {mfu} | {r['step_time_s']} | {r['peak_mem_gib']} |")
-    if largest:
-        lines += ["", "| impl | largest global batch that ran (one step) | memory-limited estimate |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k.startswith('infcl') else ''} |"
-                  for k, v in largest.items()]
-        lines += ["", "Search rows (batch, status, peak GiB): " + "; ".join(
-            f"{r['impl']} {r['global_batch']} {r['status']} {r['peak_mem_gib']}" for r in rows if r["phase"] == "search")]
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    lines = _write_results(args, gpu, rows, largest)
     print("\n".join(lines))
     return 0
 
