@@ -1,0 +1,48 @@
+"""``bench.engine``'s cases of ours without launching DeepSpeed: the run config each impl spec
+writes (``+compile``, ``+auto``, ``--set``), and the row and table built from what the run leaves
+(the chunk "auto" chose, samples/s per GPU, MFU)."""
+
+import json
+import os
+
+from ds_infcl.bench import engine
+
+
+class _FakeProc:
+    """Stands in for the launched ``deepspeed`` process: reads the case's run.json and writes what
+    the trainer would (run_config.json with the chunk resolved, summary.json)."""
+
+    def __init__(self, cmd, **kwargs):
+        run_path = cmd[cmd.index("--config") + 1]
+        with open(run_path) as f:
+            run = json.load(f)
+        self.run = run
+        out = run["output_dir"]
+        resolved = json.loads(json.dumps(run))
+        if resolved["batch"]["chunk_size"] == "auto":
+            resolved["batch"]["chunk_size"] = 256
+        with open(os.path.join(out, "run_config.json"), "w") as f:
+            json.dump(resolved, f)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({"samples_per_s": 4000.0, "peak_mem_mib": 2048.0, "mfu": 0.2512}, f)
+        self.pid = 0
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "2 x Fake GPU", "mem_gib": 80.0})
+    engine.main(["--num-gpus", "2", "--no-search", "--throughput-batch", "8192", "--chunk-size", "512",
+                 "--impls", "infcl", "infcl+compile+auto", "--set", "model.compile_mode=max-autotune",
+                 "--out", str(tmp_path)])
+    plain = json.loads((tmp_path / "infcl_tp_8192" / "run.json").read_text())
+    both = json.loads((tmp_path / "infcl_compile_auto_tp_8192" / "run.json").read_text())
+    assert plain["loss"]["impl"] == "infcl" and plain["batch"]["chunk_size"] == 512
+    assert plain["model"] == {"compile_mode": "max-autotune"}
+    assert both["loss"]["impl"] == "infcl" and both["batch"]["chunk_size"] == "auto"
+    assert both["model"] == {"compile": "blocks", "compile_mode": "max-autotune"}
+    table = (tmp_path / "results.md").read_text()
+    assert "| infcl | 2 | 8192 | 512 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
+    assert "| infcl+compile+auto | 2 | 8192 | 256 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
