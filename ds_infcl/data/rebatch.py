@@ -140,7 +140,10 @@ class ThreadedPrefetch:
 
     def _produce(self) -> None:
         try:
-            stream = torch.cuda.Stream(self.device) if self._cuda else None
+            stream = None
+            if self._cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread
+                stream = torch.cuda.Stream(self.device)
             while not self._stop.is_set():
                 if stream is not None:
                     with torch.cuda.stream(stream):
@@ -176,10 +179,14 @@ class ThreadedPrefetch:
                 keep(value)
         return item
 
-    def close(self) -> None:
-        """Stop producing (the thread ends after its current item)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop producing: the thread ends after its current item. Waits at most ``timeout``
+        seconds for that (a producer stuck in its iterator is left behind: it is a daemon)."""
+        import time
+
         self._stop.set()
-        while self._thread.is_alive():
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
             try:
                 self._queue.get_nowait()
             except Exception:  # noqa: BLE001 -- queue.Empty: nothing to drain yet
