@@ -132,6 +132,8 @@ class ThreadedPrefetch:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:  # the caller's current device, not the thread's
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._iterator = iterator
         self._stop = threading.Event()
