@@ -7,7 +7,10 @@
 
 Images travel as ``uint8`` pixels by default (``image_dtype``) and the model normalizes them on
 the device: a quarter of the host memory of float32 batches, which matters at global batches of
-tens of thousands (a 32k batch of 224 px images is 4.9 GB in uint8).
+tens of thousands (a 32k batch of 224 px images is 4.9 GB in uint8). Training images get
+OpenCLIP's random-resized crop (``random_crop_scale``, default 0.9-1.0 of the area); they are
+decoded by the loader workers with PIL (``decode: "cpu"``) or, from the JPEG bytes the workers
+pass, on this rank's GPU with nvjpeg (``decode: "gpu"``, ``ds_infcl.data.device_decode``).
 
 Data: the built-in digits only when asked for by name (``data_dir: "builtin:digits"``, the
 default; written on first use to ``$DS_INFCL_DIGITS`` or ``data/digits``), or a shard folder with
@@ -43,7 +46,7 @@ from ds_infcl.data.transforms import check_crop_scale
 from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.clip_data import (
     BUILTIN_DATA,
-    _shard_list,
+    checked_shard_list,
     builtin_digits_dir,
     ensure_digits_shards,
     resolve_data_dir,
@@ -203,8 +206,8 @@ class ClipTask:
         self._index_bound: Optional[int] = info.get("index_bound")
         # Shard lists with their sizes (a sizes.json, a manifest, or counted once and cached: not
         # under --check, which writes nothing), so that samples lost in a damaged shard are exact.
-        self.train_shards = _shard_list(train_shards, "train_shards")
-        self.heldout_shards = None if heldout_shards is None else _shard_list(heldout_shards, "heldout_shards")
+        self.train_shards = checked_shard_list(train_shards, "train_shards")
+        self.heldout_shards = None if heldout_shards is None else checked_shard_list(heldout_shards, "heldout_shards")
         self.class_names = class_names if class_names is not None else info.get("class_names")
         self.zero_shot_templates = (
             zero_shot_templates if zero_shot_templates is not None else info.get("zero_shot_templates")

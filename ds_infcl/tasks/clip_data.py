@@ -77,7 +77,9 @@ def _read_manifest_checked(path: str) -> Dict[str, Any]:
     return manifest
 
 
-def _shard_list(source, key: str):
+def checked_shard_list(source, key: str):
+    """``resolve_shards(source)`` (sizes counted unless under ``--check``), its errors as
+    ``ConfigError`` naming ``task.args.<key>``."""
     from ds_infcl.data import resolve_shards
 
     try:
