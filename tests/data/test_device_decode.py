@@ -187,7 +187,8 @@ def test_threaded_prefetch_keeps_order_raises_and_stops():
 
 
 def test_rebatch_splits_and_joins_worker_batches():
-    raw = [{"image": torch.full((3, 1), float(k)), "idx": torch.arange(3 * k, 3 * k + 3), "text": [f"t{3 * k + i}" for i in range(3)],
+    raw = [{"image": torch.full((3, 1), float(k)), "idx": torch.arange(3 * k, 3 * k + 3),
+            "text": [f"t{3 * k + i}" for i in range(3)],
             "bad_samples": {"bad_json": k}, "reader": k % 2} for k in range(4)]
     tally = BadSampleTally()
     out = list(Rebatch(iter(raw), 5, tally))

@@ -40,7 +40,8 @@ def test_random_crop_scale_default_null_and_bad_values(jpeg_dir):
     for bad, match in (([0.5], "two numbers"), ([1.2, 1.0], "0 < lo <= hi <= 1"), ([0.9, 0.5], "0 < lo <= hi <= 1")):
         with pytest.raises(ConfigError, match=f"task.args.random_crop_scale.*{match}"):
             _task(jpeg_dir, random_crop_scale=bad)
-    with pytest.raises(ConfigError, match=r"random_crop was replaced by random_crop_scale: give random_crop_scale: \[0.5, 1.0\]"):
+    replaced = r"random_crop was replaced by random_crop_scale: give random_crop_scale: \[0.5, 1.0\]"
+    with pytest.raises(ConfigError, match=replaced):
         _task(jpeg_dir, random_crop=0.5)
     with pytest.raises(ConfigError, match="task.args.decode must be 'cpu'.* or 'gpu'"):
         _task(jpeg_dir, decode="nvjpeg")
