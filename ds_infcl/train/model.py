@@ -5,8 +5,8 @@ gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
 
 - ``"loss"``: encode queries and keys, return ``(global loss, query features, key features)``
   (the uncached step); ``loss_kwargs`` (labels and the batch's extra loss inputs) go to the loss.
-- ``"encode"``, ``"encode_query"``, ``"encode_key"``: features only (GradCache's first pass,
-  evaluation).
+- ``"encode"``, ``"encode_query"``, ``"encode_key"``: features only (GradCache's first pass;
+  evaluation, whose ``"encode_query"`` / ``"encode_key"`` run compiled blocks eagerly).
 - ``"logit_scale"``: the current ``logit_scale`` value, detached (for logging).
 - ``"loss_params"``: detached copies of the loss module's own parameters (``logit_scale``, and
   ``logit_bias`` for SigLIP), in ``loss_param_names`` order (GradCache computes the loss outside
@@ -134,6 +134,13 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
     return towers
 
 
+def _eager():
+    """Compiled blocks run eagerly inside this context (``torch.compiler.set_stance``): evaluation
+    batches come in other shapes than the training chunks, and compiling each (tens of seconds on
+    a GPU, counted against the recompile limit) would cost more than it saves."""
+    return torch.compiler.set_stance("force_eager")
+
+
 class ContrastiveModel(nn.Module):
     """Towers (``encode_query`` / ``encode_key``) plus the loss module that owns the scale.
 
@@ -199,10 +206,9 @@ class ContrastiveModel(nn.Module):
             return self.loss(q, k, **(loss_kwargs or {})), q.detach(), k.detach()
         if mode == "encode":
             return self.encode_query(query_inputs), self.encode_key(key_inputs)
-        if mode == "encode_query":
-            return self.encode_query(query_inputs)
-        if mode == "encode_key":
-            return self.encode_key(key_inputs)
+        if mode in ("encode_query", "encode_key"):  # evaluation: eager, see _eager
+            with _eager():
+                return self.encode_query(query_inputs) if mode == "encode_query" else self.encode_key(key_inputs)
         if mode == "logit_scale":
             return self.loss.logit_scale.detach().clone()
         if mode == "loss_params":

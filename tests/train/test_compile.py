@@ -92,6 +92,15 @@ def test_compiled_blocks_match_eager_and_replay_dropout():
     for n, g in out["eager"][2].items():
         torch.testing.assert_close(out["compiled"][2][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
+    # Evaluation (the "encode_query"/"encode_key" modes) runs the blocks eagerly: a new batch
+    # shape compiles nothing and gives eager's features.
+    graphs = _unique_graphs()
+    wrapped = ContrastiveModel(compiled, ContrastiveLoss(symmetric=True, impl="infcl"))
+    with torch.no_grad():
+        feats = wrapped("encode_key", None, x[:5])
+        torch.testing.assert_close(feats, eager.encode_key(x[:5]), rtol=1e-5, atol=1e-6)
+    assert _unique_graphs() == graphs
+
     # Dropout inside compiled blocks: a restored RNG state gives the same masks with and without
     # gradients (GradCache's pass 1 vs pass 3), so the replay check of a GradCache step passes.
     towers = _towers(dropout=0.3)
