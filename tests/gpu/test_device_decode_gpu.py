@@ -15,7 +15,7 @@ from ds_infcl.data.device_decode import gpu_decode_problem
 if gpu_decode_problem() is not None:
     pytest.skip(f"needs CUDA and torchvision: {gpu_decode_problem()}", allow_module_level=True)
 
-from ds_infcl.data import ImageTextShards, ImageTransform, image_text_loader  # noqa: E402
+from ds_infcl.data import ImageTextShards, ImageTransform  # noqa: E402
 from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder  # noqa: E402
 from ds_infcl.data.synth_jpeg_shards import write_synth_jpeg_shards  # noqa: E402
 from tests.data.test_device_decode import DAMAGED_STREAM, _epoch, damaged_images, write  # noqa: E402
@@ -44,7 +44,7 @@ def test_nvjpeg_pixels_match_the_cpu_path(shards):
         diffs.append((images.cpu().float() - a["image"].float()).abs().mean().item())
     print(f"mean |nvjpeg + bilinear - PIL + bicubic| per batch: {[round(d, 2) for d in diffs]}")
     assert decoder.images_decoded_on_device == 96 and decoder.images_decoded_on_cpu == 0
-    assert max(diffs) < 5.0  # the same crops; different crops of these images differ by ~10
+    assert max(diffs) < 5.0  # same crops (with PIL decoding on CPU: 2-3); tests/tasks/test_clip_decode.py
 
 
 def test_bad_images_counted_as_on_the_cpu_path_with_nvjpeg(tmp_path):
