@@ -107,6 +107,9 @@ class BatchConfig:
     chunk_size: Optional[Union[int, str]] = None  # an integer, or "auto" (ds_infcl.train.chunk_auto)
     verify_replay: bool = False
     memory_budget_gib: Optional[float] = None  # chunk_size "auto": device memory a run may use
+    # ZeRO-3 + GradCache: gather every parameter once per step, chunks outside ZeRO-3's hooks
+    # ("auto": where it fits a quarter of the device; ds_infcl.train.zero3_gather)
+    gather_params: Union[bool, str] = "auto"
 
 
 @dataclass
@@ -405,6 +408,7 @@ def _validate(cfg: RunConfig) -> None:
             "batch.chunk_size: only used with GradCache; set batch.grad_cache to true or remove it"
         )
     _allowed("data.pin_memory", cfg.data.pin_memory, ["auto", True, False])
+    _allowed("batch.gather_params", cfg.batch.gather_params, ["auto", True, False])
     _positive("train.num_steps", cfg.train.num_steps)
     _positive("train.seed", cfg.train.seed, zero_ok=True)
     _positive("eval.every_steps", cfg.eval.every_steps, zero_ok=True)

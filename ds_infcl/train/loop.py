@@ -23,6 +23,7 @@ from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distrib
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
 from ds_infcl.train.model import ContrastiveModel, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
+from ds_infcl.train import zero3_gather
 from ds_infcl.train.steps import grad_cache_step, uncached_step
 from ds_infcl.tasks.base import Batch, as_batch, build_loss, get_task
 
@@ -94,8 +95,8 @@ def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
         return batch
     if not cfg.data.offload:
         return batch.map(lambda t: t.to(device, non_blocking=True))
-    if cfg.data.pin_memory in ("auto", True):
-        batch = batch.map(lambda t: t.pin_memory())
+    if cfg.data.pin_memory in ("auto", True):  # (a task that decodes on the device hands over device tensors)
+        batch = batch.map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch
 
 
@@ -216,6 +217,9 @@ def train(
         f"GradCache {'on' if cfg.batch.grad_cache else 'off'}, steps {start_step}->{cfg.train.num_steps}",
         rank,
     )
+    gather, why = zero3_gather.decide(cfg.batch.gather_params, engine, device, cfg.batch.grad_cache)
+    if cfg.batch.grad_cache and int(engine.zero_optimization_stage()) >= 3:
+        _log(f"ZeRO-3 GradCache: parameters {'gathered once per step' if gather else 'gathered per chunk by ZeRO-3'} ({why})", rank)
     logger = MetricsLogger(
         cfg.output_dir, enabled=rank == 0, csv_enabled=cfg.logging.csv,
         tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
@@ -254,7 +258,7 @@ def train(
         try:
             if cfg.batch.grad_cache:
                 result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device,
-                                         verify_replay=cfg.batch.verify_replay)
+                                         verify_replay=cfg.batch.verify_replay, gather_params=gather)
             else:
                 result = uncached_step(engine, batch, device)
         except ValueError as e:  # the loss's input checks (NaN/Inf features, ...): say which step

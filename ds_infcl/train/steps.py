@@ -106,6 +106,7 @@ def grad_cache_step(
     device: torch.device,
     *,
     verify_replay: bool = False,
+    gather_params: bool = False,
 ) -> StepResult:
     """One GradCache step: ``ceil(len(batch) / chunk_size)`` micro-steps (see module docstring).
 
@@ -117,6 +118,9 @@ def grad_cache_step(
         device: where the towers run.
         verify_replay: check that pass 3 reproduces pass 1's features (RNG replay); raises
             ``RuntimeError`` if not.
+        gather_params: ZeRO-3 only: gather every parameter once for the step and run the
+            chunks outside ZeRO-3's module hooks, one micro-step per step
+            (``ds_infcl.train.zero3_gather``; ``batch.gather_params``).
     """
     model = engine.module
     chunks = batch.chunks(chunk_size)
@@ -128,21 +132,11 @@ def grad_cache_step(
         )
     kpq = batch.keys_per_query
 
+    if gather_params:
+        return _grad_cache_gathered(engine, batch, chunks, device, verify_replay)
+
     # Pass 1: features of the whole local batch, without gradients, one chunk on the device at a time.
-    rng_states: List[Tuple] = []
-    q_parts, k_parts = [], []
-    with torch.no_grad():
-        for ch in chunks:
-            rng_states.append(get_rng_state(device))
-            dev = move_batch(ch, device)
-            q, k = engine("encode", dev.query_inputs, dev.key_inputs)
-            q_parts.append(q)
-            k_parts.append(k)
-        loss_params = engine("loss_params")
-    rng_after = get_rng_state(device)
-    query = torch.cat(q_parts)
-    key = torch.cat(k_parts)
-    del q_parts, k_parts
+    rng_states, query, key, loss_params, rng_after = _encode_chunks(engine, chunks, device)
 
     # Pass 2: the global loss and its gradients for the features and the loss parameters, once.
     loss, grad_q, grad_k, grad_p = _feature_gradients(
@@ -171,6 +165,81 @@ def grad_cache_step(
         start += n
     set_rng_state(rng_after, device)
     return StepResult(float(loss), len(chunks))
+
+
+def _encode_chunks(call, chunks, device):
+    """Pass 1: every chunk's features without gradients (``call`` is the engine, or the bare
+    module under gathered parameters), the RNG state before each chunk and after the last, and
+    the loss parameters."""
+    rng_states: List[Tuple] = []
+    q_parts, k_parts = [], []
+    with torch.no_grad():
+        for ch in chunks:
+            rng_states.append(get_rng_state(device))
+            dev = move_batch(ch, device)
+            q, k = call("encode", dev.query_inputs, dev.key_inputs)
+            q_parts.append(q)
+            k_parts.append(k)
+        loss_params = call("loss_params")
+    rng_after = get_rng_state(device)
+    query = torch.cat(q_parts)
+    key = torch.cat(k_parts)
+    return rng_states, query, key, loss_params, rng_after
+
+
+def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool) -> StepResult:
+    """The GradCache step under ZeRO-3 with the parameters gathered once (see
+    ``ds_infcl.train.zero3_gather``): passes 1 and 3 (but its last chunk) on the bare module
+    outside ZeRO-3's hooks, gradients summed in float32 buffers and handed to the last chunk's
+    micro-step, the step's only backward through the engine."""
+    import deepspeed
+
+    from ds_infcl.train.zero3_gather import GradientBuffers, added_to_gradients, module_hooks_off
+
+    model = engine.module
+    kpq = batch.keys_per_query
+    params = list(model.parameters())
+    buffers = GradientBuffers(params)
+    with module_hooks_off(engine), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        rng_states, query, key, loss_params, rng_after = _encode_chunks(model, chunks, device)
+        loss, grad_q, grad_k, grad_p = _feature_gradients(
+            model.loss, query, key, _loss_kwargs(engine, batch, device), model.loss_param_names, loss_params
+        )
+        zero_p = tuple(torch.zeros_like(g) for g in grad_p)
+        start = 0
+        for i, ch in enumerate(chunks[:-1]):
+            n = len(ch)
+            set_rng_state(rng_states[i], device)
+            dev = move_batch(ch, device)
+            with torch.enable_grad():
+                surrogate, q, k = model(
+                    "surrogate", dev.query_inputs, dev.key_inputs, None,
+                    grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq], zero_p,
+                )
+                buffers.add(surrogate)
+            if verify_replay:
+                _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
+            del surrogate
+            start += n
+    # The last chunk: the step's one micro-step through the engine, at the accumulation boundary.
+    i, ch = len(chunks) - 1, chunks[-1]
+    n = len(ch)
+    set_rng_state(rng_states[i], device)
+    dev = move_batch(ch, device)
+    # Every micro-step of this path is a boundary (DeepSpeed's documented manual-accumulation use:
+    # set before the forward; it stays set, as every step of the run takes this path).
+    engine.set_gradient_accumulation_boundary(True)
+    surrogate, q, k = engine(
+        "surrogate", dev.query_inputs, dev.key_inputs, None,
+        grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq], grad_p,
+    )
+    if verify_replay:
+        _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
+    with added_to_gradients(buffers):
+        engine.backward(surrogate, scale_wrt_gas=False)
+    engine.step()
+    set_rng_state(rng_after, device)
+    return StepResult(float(loss), 1)
 
 
 def _check_replay(i, q, q_cached, k, k_cached) -> None:

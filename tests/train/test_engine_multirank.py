@@ -34,6 +34,10 @@ def _grid_jobs():
     gc = ["batch.grad_cache=true", "batch.chunk_size=4", "batch.verify_replay=true"]  # 12 per rank: 3 chunks
     for stage, dtype in ((2, "fp32"), (3, "fp32"), (3, "bf16")):
         jobs.append(h.job(f"gc{stage}_{dtype}", f"zero{stage}.json", h.SGD + _bf16(dtype), h.COMMON + GATHER + gc))
+    # ZeRO-3 GradCache gathers the parameters once per step by default (batch.gather_params
+    # "auto"); the per-chunk path through ZeRO-3's hooks stays tested.
+    jobs.append(h.job("gc3_fp32_hooks", "zero3.json", h.SGD + _bf16("fp32"),
+                      h.COMMON + GATHER + gc + ["batch.gather_params=false"]))
     if _fastclip_available():
         jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
         jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
@@ -204,7 +208,7 @@ def test_zero_stage_matches_single_process(runs, stage, dtype):
     assert got_losses == pytest.approx(ref_losses, rel=1e-5 if dtype == "fp32" else 2e-2)
 
 
-@pytest.mark.parametrize("case", ["gc2_fp32", "gc3_fp32", "gc3_bf16"])
+@pytest.mark.parametrize("case", ["gc2_fp32", "gc3_fp32", "gc3_bf16", "gc3_fp32_hooks"])
 def test_grad_cache_matches_uncached(runs, case):
     stage, dtype = case[2], case.split("_")[1]
     cached = h.params(runs / case)
