@@ -180,8 +180,9 @@ def format_table(rows) -> str:
         )
     largest = {}
     for r in rows:
-        if r["status"] == "ok":
-            largest[r["impl"]] = max(largest.get(r["impl"], 0), r["global_batch"])
+        largest.setdefault(r["impl"], 0)
+        if r["status"] == "ok" or r["status"].startswith("ok ("):  # "ok (ring)": the algorithm infcl chose
+            largest[r["impl"]] = max(largest[r["impl"]], r["global_batch"])
     lines.append("")
     lines.append("largest global batch that ran: " + ", ".join(
         f"{impl} {largest.get(impl, 0):,}" for impl in dict.fromkeys(r["impl"] for r in rows)))
@@ -264,6 +265,9 @@ def main(argv=None) -> int:
                 w.writeheader()
                 w.writerows(rows)
             print(f"csv written: {path}")
+            from ds_infcl.bench.plots import ring_plot
+
+            ring_plot(path, os.path.join(args.out, f"ring_{gpu}_w{world}.png"))
         print(f"\n{world} x {device_name}, c = {args.dim}, {args.dtype}, symmetric, "
               f"ring backend {backend}, torch {torch.__version__}")
         print(format_table(rows))
