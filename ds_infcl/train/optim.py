@@ -7,7 +7,7 @@ runs everywhere, and says what it changed:
 
 | ``optimizer.type`` | CUDA | CPU accelerator (what this module does) |
 | --- | --- | --- |
-| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload); ``torch.optim`` with ``fused=True`` when FusedAdam is neither prebuilt nor buildable (no ``nvcc``) or ``torch_adam`` is set | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``, ``foreach=True``) instead of JIT-building the CPU Adam op (~90 s) |
+| ``Adam``, ``AdamW`` | DeepSpeed ``FusedAdam`` (``DeepSpeedCPUAdam`` with optimizer offload); ``torch.optim`` with ``fused=True`` unless FusedAdam is prebuilt or ``torch_adam`` is false (then DeepSpeed JIT-builds it) | sets ``torch_adam: true`` (``torch.optim.Adam/AdamW``, ``foreach=True``) instead of JIT-building the CPU Adam op (~90 s) |
 | ``Lamb`` | DeepSpeed ``FusedLamb`` (CUDA op, JIT-built) | CUDA-only op: uses ``ds_infcl.train.optim.Lamb`` (same maths, pure PyTorch) |
 | ``Lion`` | DeepSpeed ``FusedLion`` (``DeepSpeedCPULion`` with offload) | CUDA-only op: uses ``ds_infcl.train.optim.Lion`` (pure PyTorch) |
 | ``SGD`` (any ``torch.optim`` name) | ``torch.optim.<name>`` | same |
@@ -174,8 +174,9 @@ def prepare_optimizer(
     elif lname in ("adam", "adamw") and "torch_adam" not in params and not _fused_adam_buildable(cfg):
         params["torch_adam"] = True
         notes.append(
-            f"optimizer {name}: DeepSpeed's FusedAdam is not prebuilt and no nvcc is found to JIT-build it; "
-            "using torch.optim (torch_adam=true). Install with DS_BUILD_FUSED_ADAM=1 to use FusedAdam"
+            f"optimizer {name}: DeepSpeed's FusedAdam is not prebuilt; using torch.optim (torch_adam=true: "
+            "the same update, fused, with no JIT build). Set optimizer.params.torch_adam=false to JIT-build "
+            "FusedAdam (needs nvcc), or install DeepSpeed with DS_BUILD_FUSED_ADAM=1"
         )
     if lname in ("adam", "adamw"):
         notes.append(_adam_choice(name, lname, params, cfg, on_cpu))
@@ -225,8 +226,12 @@ def _adam_choice(name: str, lname: str, params: Dict[str, Any], cfg: Dict[str, A
 
 
 def _fused_adam_buildable(cfg: Dict[str, Any]) -> bool:
-    """Whether DeepSpeed can provide the Adam it would pick: prebuilt, or a CUDA compiler for its
-    JIT build (optimizer offload uses the CPU Adam, built with the host compiler)."""
+    """Whether DeepSpeed's Adam is there without a JIT build of a CUDA op: prebuilt (optimizer
+    offload uses the CPU Adam, built with the host compiler). A JIT build of FusedAdam is not
+    chosen by default: it takes a minute per fresh machine and fails outright on some images
+    (DeepSpeed 0.19.8 cannot parse a ``TORCH_CUDA_ARCH_LIST`` entry such as ``9.0a``: seen on the
+    H100 image, 2026-11-25), while ``torch.optim.AdamW(fused=True)`` is the same update in one
+    kernel; ``torch_adam: false`` still asks for it."""
     offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
     if offload in ("cpu", "nvme"):
         return True
@@ -237,7 +242,4 @@ def _fused_adam_buildable(cfg: Dict[str, Any]) -> bool:
             return True
     except ImportError:  # pragma: no cover
         pass
-    import os
-    import shutil
-
-    return shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
+    return False
