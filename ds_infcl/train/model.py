@@ -11,6 +11,10 @@ gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
 - ``"loss_params"``: detached copies of the loss module's own parameters (``logit_scale``, and
   ``logit_bias`` for SigLIP), in ``loss_param_names`` order (GradCache computes the loss outside
   the engine on copies of them).
+- ``"gradients"``: ``param_grads`` holds one tensor (or ``None``) per trainable parameter, in
+  ``parameters()`` order; returns a zero whose backward gives each parameter that gradient (the
+  ZeRO-3 GradCache step, ``ds_infcl.train.zero3_gather``, hands its summed chunk gradients to the
+  engine this way, under gathered parameters).
 - ``"surrogate"``: re-encode one chunk and return
   ``(sum(q * dL/dq) + sum(k * dL/dk) + sum_p p * dL/dp, q, k)`` over the loss parameters ``p``: the
   gradient of the first with respect to every parameter is that chunk's share of the exact
@@ -33,7 +37,7 @@ from ds_infcl.tasks.base import tree_map
 
 __all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers"]
 
-MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate")
+MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "gradients")
 
 
 def loss_param_names(loss_module: nn.Module) -> Tuple[str, ...]:
@@ -220,4 +224,28 @@ class ContrastiveModel(nn.Module):
             for name, grad in zip(self.loss_param_names, param_grads or ()):
                 out = out + (getattr(self.loss, name).float() * grad).sum()
             return out, q.detach(), k.detach()
+        if mode == "gradients":
+            params = [p for p in self.parameters() if p.requires_grad]
+            if len(param_grads) != len(params):
+                raise ValueError(f"gradients: {len(param_grads)} gradients for {len(params)} trainable parameters")
+            pairs = [(p, g) for p, g in zip(params, param_grads) if g is not None]
+            if not pairs:
+                raise ValueError("gradients: no gradient given")
+            return _GivenGradients.apply([g for _, g in pairs], *[p for p, _ in pairs])
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+
+
+class _GivenGradients(torch.autograd.Function):
+    """A zero whose backward gives ``params[i]`` the gradient ``grad_out * grads[i]`` (cast to the
+    parameter's dtype): a micro-step that hands gradients computed elsewhere to the engine."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads, ctx.dtypes = grads, [p.dtype for p in params]
+        return params[0].new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out = tuple((g * grad_out).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
+        ctx.grads = None
+        return (None, *out)

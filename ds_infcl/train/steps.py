@@ -189,12 +189,13 @@ def _encode_chunks(call, chunks, device):
 
 def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool) -> StepResult:
     """The GradCache step under ZeRO-3 with the parameters gathered once (see
-    ``ds_infcl.train.zero3_gather``): passes 1 and 3 (but its last chunk) on the bare module
-    outside ZeRO-3's hooks, gradients summed in float32 buffers and handed to the last chunk's
-    micro-step, the step's only backward through the engine."""
+    ``ds_infcl.train.zero3_gather``): passes 1 and 3 on the bare module outside ZeRO-3's hooks,
+    the chunks' gradients summed in float32 buffers, then handed to the engine in the step's one
+    micro-step (``"gradients"`` mode), still under the gathered parameters, so that ZeRO-3
+    reduce-scatters each gradient once."""
     import deepspeed
 
-    from ds_infcl.train.zero3_gather import GradientBuffers, added_to_gradients, module_hooks_off
+    from ds_infcl.train.zero3_gather import GradientBuffers, module_hooks_off
 
     model = engine.module
     kpq = batch.keys_per_query
@@ -207,36 +208,30 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
         )
         zero_p = tuple(torch.zeros_like(g) for g in grad_p)
         start = 0
-        for i, ch in enumerate(chunks[:-1]):
+        for i, ch in enumerate(chunks):
             n = len(ch)
             set_rng_state(rng_states[i], device)
             dev = move_batch(ch, device)
             with torch.enable_grad():
                 surrogate, q, k = model(
                     "surrogate", dev.query_inputs, dev.key_inputs, None,
-                    grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq], zero_p,
+                    grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq],
+                    grad_p if i == len(chunks) - 1 else zero_p,
                 )
                 buffers.add(surrogate)
             if verify_replay:
                 _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
             del surrogate
             start += n
-    # The last chunk: the step's one micro-step through the engine, at the accumulation boundary.
-    i, ch = len(chunks) - 1, chunks[-1]
-    n = len(ch)
-    set_rng_state(rng_states[i], device)
-    dev = move_batch(ch, device)
-    # Every micro-step of this path is a boundary (DeepSpeed's documented manual-accumulation use:
-    # set before the forward; it stays set, as every step of the run takes this path).
-    engine.set_gradient_accumulation_boundary(True)
-    surrogate, q, k = engine(
-        "surrogate", dev.query_inputs, dev.key_inputs, None,
-        grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq], grad_p,
-    )
-    if verify_replay:
-        _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
-    with added_to_gradients(buffers):
-        engine.backward(surrogate, scale_wrt_gas=False)
+        # The step's one micro-step, at the accumulation boundary (DeepSpeed's documented manual
+        # accumulation: set before the forward; it stays set, as every step of the run takes this
+        # path). The parameters are still gathered, so each AccumulateGrad sees full shapes and
+        # ZeRO-3's gradient hooks reduce-scatter as in a plain backward.
+        engine.set_gradient_accumulation_boundary(True)
+        given = engine("gradients", None, None, None, None, None, buffers.sums)
+        engine.backward(given, scale_wrt_gas=False)
+        del given
+        buffers.sums = []
     engine.step()
     set_rng_state(rng_after, device)
     return StepResult(float(loss), 1)

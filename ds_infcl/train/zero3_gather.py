@@ -13,19 +13,21 @@ time and the step ran at 0.40x ZeRO-2, with nothing even gathered from another G
 1. All parameters gathered once (``deepspeed.zero.GatheredParameters``), ZeRO-3's module hooks
    set aside (``module_hooks_off``): pass 1 encodes every chunk as a plain module would.
 2. The loss and the feature gradients, as before (no parameter involved).
-3. Chunks ``0 .. n-2`` re-encoded over the same gathered parameters, hooks still off; each
-   chunk's surrogate is differentiated with ``torch.autograd.grad`` into float32 buffers (that
-   runs no ``AccumulateGrad`` node, so ZeRO-3's gradient hooks do not fire: nothing is reduced yet).
-4. The last chunk through the engine as the step's one DeepSpeed micro-step, at the accumulation
-   boundary, with a hook on every parameter (``added_to_gradients``) that adds its buffer to the
-   gradient the backward computes for it. ZeRO-3 thus receives the whole local batch's gradient
-   and reduce-scatters it once, as for one uncached micro-step; ``engine.step()`` updates.
+3. Every chunk re-encoded over the same gathered parameters, hooks still off; each chunk's
+   surrogate is differentiated with ``torch.autograd.grad`` into float32 buffers (that runs no
+   ``AccumulateGrad`` node, so ZeRO-3's gradient hooks do not fire: nothing is reduced yet).
+4. The step's one DeepSpeed micro-step, at the accumulation boundary and still under the
+   gathered parameters: the model's ``"gradients"`` mode returns a zero whose backward gives each
+   parameter its buffer, so each parameter's ``AccumulateGrad`` receives the whole local batch's
+   gradient and ZeRO-3 reduce-scatters it once, as for one uncached micro-step. No module runs
+   inside ZeRO-3's hooks during the step; ``engine.step()`` updates after the parameters are
+   released.
 
 The gradient is the same sum as the per-chunk path's (float32 accumulation, so no less exact).
 Costs: the whole model's parameters unpartitioned for the step (in their dtype) plus a float32
 buffer per trainable parameter; ``decide`` turns it on where that fits a quarter of the device's
-memory, and not with fp16 (LoRA: the buffers are the adapters' only). DeepSpeed's ``gradient_accumulation_steps``
-stays the number of chunks (the config is the same either way); the step marks its one backward
+memory, and not with fp16 (LoRA: the buffers are the adapters' only). DeepSpeed's
+``gradient_accumulation_steps`` stays the number of chunks (the config is the same either way); the step marks its one backward
 as the boundary (``engine.set_gradient_accumulation_boundary``).
 """
 
@@ -37,7 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["decide", "module_hooks_off", "added_to_gradients", "GradientBuffers", "MEMORY_FRACTION"]
+__all__ = ["decide", "module_hooks_off", "GradientBuffers", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.25  # "auto": gathered parameters + float32 buffers within this share of the device
 _HOOK_DICTS = (
@@ -146,21 +148,3 @@ class GradientBuffers:
                 self.sums[i] = g.float()
             else:
                 self.sums[i].add_(g)
-
-
-@contextmanager
-def added_to_gradients(buffers: GradientBuffers):
-    """While open, each parameter's gradient gets its buffer added as it arrives: a hook on the
-    parameter, which runs before its ``AccumulateGrad`` and so before ZeRO-3's reduce hook,
-    while the module's backward still holds the parameter gathered (the sum is rounded once to
-    the gradient's dtype)."""
-    handles = []
-    for p, s in zip(buffers.params, buffers.sums):
-        if s is None:
-            continue
-        handles.append(p.register_hook(lambda grad, s=s: (s + grad.float()).to(grad.dtype)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()

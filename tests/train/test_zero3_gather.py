@@ -54,25 +54,55 @@ def test_a_zero3_engine_without_parameter_offload_is_an_error():
         zero3_gather.decide("auto", _Engine(offload=False), CPU, True)
 
 
-def test_buffers_sum_chunks_and_hooks_add_them_once():
-    lin = nn.Linear(3, 2)
-    x1, x2, x3 = torch.randn(4, 3), torch.randn(5, 3), torch.randn(2, 3)
-    buffers = zero3_gather.GradientBuffers(list(lin.parameters()))
-    buffers.add(lin(x1).square().sum())
-    buffers.add(lin(x2).sin().sum())
-    assert lin.weight.grad is None  # autograd.grad: nothing accumulated into .grad
-    with zero3_gather.added_to_gradients(buffers):
-        lin(x3).cos().sum().backward()
-    ref = nn.Linear(3, 2)
-    ref.load_state_dict(lin.state_dict())
-    (ref(x1).square().sum() + ref(x2).sin().sum() + ref(x3).cos().sum()).backward()
-    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
-    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
-    lin.zero_grad(set_to_none=True)
-    lin(x3).cos().sum().backward()  # the hooks are gone after the context
-    ref.zero_grad(set_to_none=True)
-    ref(x3).cos().sum().backward()
-    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+def test_buffers_sum_chunks_and_the_gradients_mode_hands_them_over():
+    from ds_infcl.train.model import ContrastiveModel
+
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(3, 2), nn.Linear(3, 2)
+            self.k.bias.requires_grad_(False)
+
+        def encode_query(self, x):
+            return self.q(x)
+
+        def encode_key(self, x):
+            return self.k(x)
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, q, k, **kw):
+            return (self.logit_scale * q * k).sum()
+
+    model = ContrastiveModel(Towers(), Loss())
+    model.loss.logit_scale.requires_grad_(False)
+    x = [torch.randn(n, 3) for n in (4, 5, 2)]
+    fns = [lambda t: t.square().sum(), lambda t: t.sin().sum(), lambda t: t.cos().sum()]
+    buffers = zero3_gather.GradientBuffers(list(model.parameters()))
+    for xi, f in zip(x, fns):
+        q, k = model("encode", xi, xi)
+        buffers.add(f(q) + f(k))
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad: nothing in .grad yet
+    model("gradients", param_grads=buffers.sums).backward()
+    ref = ContrastiveModel(Towers(), Loss())
+    ref.load_state_dict(model.state_dict())
+    ref.towers.k.bias.requires_grad_(False)
+    ref.loss.logit_scale.requires_grad_(False)
+    total = 0
+    for xi, f in zip(x, fns):
+        q, k = ref("encode", xi, xi)
+        total = total + f(q) + f(k)
+    total.backward()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if r.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, r.grad, msg=name)
+    with pytest.raises(ValueError, match="trainable parameters"):
+        model("gradients", param_grads=buffers.sums[:1])
 
 
 def test_module_hooks_off_sets_aside_only_deepspeeds_hooks():
