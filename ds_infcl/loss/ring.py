@@ -31,9 +31,11 @@ environment variable ``DS_INFCL_ALGORITHM`` (``ring`` / ``gather``) pins it, and
 ``last_algorithm()`` reports the last choice.
 
 Gradient semantics: ``ring_lse`` returns to rank ``r`` the gradient of ``sum over ranks`` of the
-objectives each rank built on its outputs. The InfoNCE built here (``ring_infonce``) is the sum
-of per-rank shares, turned into the global value by ``global_sum_with_grad``, whose backward
-multiplies by ``W``: after the data-parallel mean every gradient equals the single-device one.
+objectives each rank built on its outputs. The InfoNCE (``ring_infonce``) is the sum of per-rank
+shares, all-reduced into the global value, with a backward that multiplies by ``W`` (as
+``global_sum_with_grad``): after the data-parallel mean every gradient equals the single-device
+one. Each algorithm runs as one autograd Function (``ds_infcl.loss.ring_fused``): the positive
+logits and the composition of the shares cost the host no autograd nodes of their own (issue 17).
 """
 
 from __future__ import annotations
@@ -43,14 +45,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds_infcl.loss.functional import compose_infonce, positive_logits
-from ds_infcl.ops import labels_or_diagonal, lse_backward, lse_forward, resolve_backend, tiled_lse
+from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
-    all_gather_with_grad,
     exchange_layout,
-    global_sum_with_grad,
     post_ring_shift,
     resolve_group,
     wait_all,
@@ -102,11 +101,12 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
 
 
 def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                   layout: RingLayout, group, row, col, grad_row, grad_col):
+                   layout: RingLayout, group, row, col, grad_row, grad_col, grad_pos=None):
+    # grad_pos: upstream gradient of the positive logits x_{i, labels_i}, added on the own block
+    # (the fused InfoNCE of ds_infcl.loss.ring_fused); labels None there means the diagonal.
     b, c = query.shape
     m = key.shape[0]
-    dq = torch.zeros((b, c), device=query.device, dtype=_F32)
-    dscale = torch.zeros((), device=query.device, dtype=_F32)
+    dq = dscale = None  # the first block's results start the sums (fresh float32 tensors)
     # Every rank must run the same protocol, so missing upstream gradients become zeros.
     a = grad_row.float() if grad_row is not None else torch.zeros_like(row)
     cur_key, cur_info, dk_acc = key, None, None
@@ -134,10 +134,11 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
         dq_t, dk_t, ds_t = lse_backward(
             query, cur_key, scale, row, cur_info[0] if compute_col else None, a,
             cur_info[1] if compute_col else None, labels=labels if own else None,
-            exclude_positive=exclude_positive and own, backend=backend, tile_size=tile_size,
+            exclude_positive=exclude_positive and own, grad_pos=grad_pos if own else None,
+            backend=backend, tile_size=tile_size,
         )
-        dq.add_(dq_t)
-        dscale.add_(ds_t)
+        dq = dq_t if dq is None else dq.add_(dq_t)
+        dscale = ds_t if dscale is None else dscale.add_(ds_t)
         del dq_t
         wait_all(works)
         dk_acc = dk_t if dk_in is None else dk_t.add_(dk_in)
@@ -263,26 +264,6 @@ def last_algorithm() -> Optional[str]:
     return _LAST["algorithm"]
 
 
-def _gather_infonce(query, key, scale_t, labels, symmetric, backend, group, tile_size, layout):
-    # Every rank's share depends on the gathered tensors (a zero term where a rank has no query),
-    # so that every rank runs their reduce-scatter in the backward: collectives stay paired.
-    k_all = all_gather_with_grad(key, layout.key_sizes, layout.rank, group)
-    share = 0.0 * (k_all.float().sum() + query.float().sum() + scale_t)
-    b = query.shape[0]
-    if b:
-        row, _ = tiled_lse(query, k_all, scale_t, compute_col=False, backend=backend, tile_size=tile_size)
-        pos = positive_logits(query, key, scale_t, labels)
-        share = share + (row - pos).sum() / layout.num_queries
-    if symmetric:
-        q_all = all_gather_with_grad(query, layout.query_sizes, layout.rank, group)
-        col_share = 0.0 * q_all.float().sum()
-        if b:
-            col, _ = tiled_lse(key[labels], q_all, scale_t, compute_col=False, backend=backend, tile_size=tile_size)
-            col_share = col_share + (col - pos).sum() / layout.num_queries
-        share = (share + col_share) / 2
-    return share
-
-
 def ring_infonce(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -298,20 +279,21 @@ def ring_infonce(
     data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank;
     ``None``: the diagonal). By the ring, or by one all-gather where the features are small
     (``choose_algorithm``)."""
+    # The fused Functions build on this module's ring steps (hence imported here, not on top).
+    from ds_infcl.loss.ring_fused import GatherInfoNCEFunction, RingInfoNCEFunction
+
     group = resolve_group(group)
     backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric),
     )
-    labels = labels_or_diagonal(labels, query.shape[0], query.device)
+    if labels is not None:
+        labels = labels.to(device=query.device, dtype=torch.long)
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size(), symmetric)
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
-        share = _gather_infonce(query, key, scale_t, labels, symmetric, backend, group, tile_size, layout)
-        return global_sum_with_grad(share, layout, group)
-    row, col = _apply_ring(query, key, scale_t, None, False, symmetric, backend, group, tile_size,
-                           layout)
-    pos = positive_logits(query, key, scale_t, labels)
-    share = compose_infonce(row, col, pos, labels, layout.num_queries, symmetric)
-    return global_sum_with_grad(share, layout, group)
+        return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
+                                           layout, group)
+    return RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
+                                     group)

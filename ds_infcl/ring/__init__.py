@@ -10,7 +10,14 @@ deepspeed (:func:`default_group` only looks at ``sys.modules``).
 - ``collectives``: autograd-aware collectives (global loss from shares, all-gather with grad).
 """
 
-from ds_infcl.ring.collectives import all_gather_blocks, all_gather_nograd, all_gather_with_grad, global_sum_with_grad
+from ds_infcl.ring.collectives import (
+    all_gather_blocks,
+    all_gather_nograd,
+    all_gather_packed,
+    all_gather_with_grad,
+    global_sum_with_grad,
+    reduce_scatter_packed,
+)
 from ds_infcl.ring.groups import default_group, global_rank, group_rank, group_size, resolve_group
 from ds_infcl.ring.layout import (
     PROTOCOLS,
@@ -27,6 +34,7 @@ __all__ = [
     "agree_on_input_errors",
     "all_gather_blocks",
     "all_gather_nograd",
+    "all_gather_packed",
     "all_gather_with_grad",
     "comm_device",
     "default_group",
@@ -36,6 +44,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "post_ring_shift",
+    "reduce_scatter_packed",
     "resolve_group",
     "ring_shift",
     "wait_all",

@@ -1,0 +1,120 @@
+"""Host cost of one distributed loss call: operators, launches and CPU milliseconds per call.
+
+At a small per-GPU batch the distributed InfoNCE is host-bound (issue 17): the GPU work of one
+call is ~1 ms, the Python and dispatcher work around it several. This script counts what one call
+of ``contrastive_loss(q, k, scale, symmetric=True, impl="infcl")`` (forward + backward) costs the
+host, per algorithm (``DS_INFCL_ALGORITHM`` = ``gather`` / ``ring``), with ``torch.profiler``:
+
+- ``aten ops/call``: every ``aten::`` operator the dispatcher runs (nested ones included);
+- ``top ops/call``: the ``aten::`` operators called from Python or autograd directly (not nested);
+- ``kernels/call``: CUDA kernel launches (GPU runs only);
+- ``host ms/call``: the loop's wall time per call without the profiler, no synchronization
+  inside the loop (on CPU this includes the arithmetic itself: use a small ``--batch`` to see
+  the host overhead alone).
+
+Run on every rank of a group, e.g. ``torchrun --nproc_per_node 2 -m ds_infcl.bench.host_prof
+--batch 4096 --dim 512`` (gloo on CPU, NCCL on CUDA). Rank 0 prints one table row per algorithm
+and, with ``--detail``, the operator counts per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ds_infcl.loss import contrastive_loss
+
+
+def _one_call(q, k, s, backend, tile_size=None):
+    contrastive_loss(q, k, s, symmetric=True, impl="infcl", backend=backend, tile_size=tile_size,
+                     check_finite=False).backward()
+
+
+def _profile(q, k, s, backend, calls, tile_size=None):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            _one_call(q, k, s, backend, tile_size)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    counts = collections.Counter(e.name for e in top)
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    return len(aten) / calls, len(top) / calls, launches / calls, counts, table
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[4096], help="rows per rank")
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--backend", default="auto", help='"torch" on CPU; "auto" picks Triton on CUDA')
+    p.add_argument("--tile-size", type=int, default=None,
+                   help="tile edge of the torch backend (default: the device's; 4096 = the CUDA default)")
+    p.add_argument("--algorithms", nargs="+", default=["gather", "ring"])
+    p.add_argument("--calls", type=int, default=20, help="timed calls per point")
+    p.add_argument("--profiled-calls", type=int, default=5)
+    p.add_argument("--detail", action="store_true", help="print the operator counts per call")
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    rows = []
+    for b in args.batch:
+        gen = torch.Generator().manual_seed(rank)
+        q = torch.nn.functional.normalize(torch.randn(b, args.dim, generator=gen), dim=1)
+        k = torch.nn.functional.normalize(torch.randn(b, args.dim, generator=gen), dim=1)
+        q = q.to(device, dtype).requires_grad_()
+        k = k.to(device, dtype).requires_grad_()
+        s = torch.tensor(14.3, device=device, requires_grad=True)
+        for alg in args.algorithms:
+            os.environ["DS_INFCL_ALGORITHM"] = alg
+            for _ in range(3):
+                _one_call(q, k, s, args.backend, args.tile_size)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                _one_call(q, k, s, args.backend, args.tile_size)
+            host = (time.perf_counter() - t0) / args.calls * 1e3
+            if cuda:
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / args.calls * 1e3
+            dist.barrier()
+            aten, top, launches, counts, table = _profile(q, k, s, args.backend, args.profiled_calls, args.tile_size)
+            rows.append((alg, b, aten, top, launches, host, wall))
+            if rank == 0 and args.detail:
+                print(f"== {alg} b={b}: top-level aten ops per call")
+                for name, n in counts.most_common():
+                    print(f"  {n / args.profiled_calls:6.1f}  {name}")
+                print(f"== {alg} b={b}: {args.profiled_calls} calls by CPU time")
+                print(table)
+            os.environ.pop("DS_INFCL_ALGORITHM", None)
+    if rank == 0:
+        print(f"\nworld {dist.get_world_size()}, {device.type}, {dtype}, c = {args.dim}, backend {args.backend}, "
+              f"tile {args.tile_size or 'default'}")
+        print("| algorithm | b per rank | aten ops/call | top ops/call | kernels/call | host ms/call | wall ms/call |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for alg, b, aten, top, launches, host, wall in rows:
+            print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {launches:.0f} | {host:.2f} | {wall:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The fused distributed InfoNCE (``ds_infcl.loss.ring_fused``): the diagonal shortcut taken when
+the caller passes ``labels=None`` gives the same loss and gradients as the general path with
+``labels = arange(b)``, and both equal the fp64 reference, on 2 gloo ranks with unequal sizes
+(one rank without queries too), by both algorithms; and one call builds the small autograd graph
+the shortcut is for (no ``key[labels]`` index node, one Function, the collectives' nodes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ds_infcl.ops.reference import contrastive_loss_reference
+from tests.ring.ring_harness import spawn
+
+pytestmark = pytest.mark.slow
+
+C, SCALE = 10, 7.0
+# (per-rank query counts, keys per query): unequal sizes, a rank without queries, hard negatives.
+LAYOUTS = [([3, 7], 1), ([0, 5], 1), ([4, 2], 2)]
+
+
+def _cases():
+    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg)
+            for sizes, hard in LAYOUTS for sym in (True, False) for alg in ("gather", "ring")]
+
+
+def _data(case, seed):
+    g = torch.Generator().manual_seed(seed)
+    key_sizes = [b * case["hard"] for b in case["sizes"]]
+    q = torch.nn.functional.normalize(torch.randn(sum(case["sizes"]), C, generator=g), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(sum(key_sizes), C, generator=g), dim=1)
+    return q, k, key_sizes
+
+
+def _graph_names(fn):
+    names, stack, seen = set(), [fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return names
+
+
+def _worker(rank, world, cases):
+    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.loss.ring import last_algorithm
+
+    out = []
+    for seed, case in enumerate(cases):
+        q_all, k_all, key_sizes = _data(case, seed)
+        q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
+        res = {}
+        for mode in ("none", "arange"):
+            os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
+            q = q_all[q0:q0 + case["sizes"][rank]].clone().requires_grad_(True)
+            k = k_all[k0:k0 + key_sizes[rank]].clone().requires_grad_(True)
+            s = torch.tensor(SCALE, requires_grad=True)
+            labels = None if mode == "none" else torch.arange(q.shape[0])
+            loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
+                                    backend="torch", tile_size=4)
+            names = _graph_names(loss.grad_fn)
+            loss.backward()
+            assert last_algorithm() == case["algorithm"]
+            res[mode] = dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), graph=names)
+        os.environ.pop("DS_INFCL_ALGORITHM", None)
+        out.append(res)
+    return out
+
+
+def test_diagonal_shortcut_matches_general_path_and_reference():
+    cases = _cases()
+    results = spawn(_worker, 2, cases, timeout=120)
+    for seed, case in enumerate(cases):
+        q, k, key_sizes = _data(case, seed)
+        qd, kd = q.double().requires_grad_(True), k.double().requires_grad_(True)
+        sd = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+        glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(case["sizes"])])
+        ref = contrastive_loss_reference(qd, kd, sd, glabels, symmetric=case["symmetric"])
+        ref.backward()
+        for mode in ("none", "arange"):
+            what = f"{case}, labels {mode}"
+            outs = [res[seed][mode] for res in results]
+            for r, o in enumerate(outs):
+                assert abs(o["loss"] - ref.item()) <= 2e-6 * max(1.0, abs(ref.item())), (what, r)
+                # One Function: no index node for the positive keys (gathered inside, or not at all
+                # on the diagonal) and no zero-weighted pairing terms' products and sums.
+                assert "IndexBackward0" not in o["graph"], (what, r, o["graph"])
+                assert "MulBackward0" not in o["graph"] and "SumBackward0" not in o["graph"], o["graph"]
+            # rank r holds W * dL/dF_r (DESIGN.md 3.1): the mean over ranks is the global gradient
+            dq = torch.cat([o["dq"] for o in outs]).double() / 2
+            dk = torch.cat([o["dk"] for o in outs]).double() / 2
+            assert torch.allclose(dq, qd.grad, rtol=0, atol=2e-5 * qd.grad.abs().max().item()), what
+            assert torch.allclose(dk, kd.grad, rtol=0, atol=2e-5 * kd.grad.abs().max().item()), what
+            assert abs(sum(o["ds"] for o in outs) / 2 - sd.grad.item()) <= 1e-5 * max(1.0, abs(sd.grad.item())), what
+        for r in range(2):  # the shortcut and the general path: the same numbers
+            a, b = results[r][seed]["none"], results[r][seed]["arange"]
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (case, r)
+            for name in ("dq", "dk"):
+                assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), (case, r, name)
+            assert a["ds"] == pytest.approx(b["ds"], rel=1e-5, abs=1e-7), (case, r)
