@@ -53,6 +53,26 @@ def _profile(q, k, s, backend, calls, tile_size=None):
     return len(aten) / calls, len(top) / calls, launches / calls, counts, table
 
 
+def _python_profile(q, k, s, args, rank, label) -> None:
+    """Where the host's Python time goes (Triton launchers, autograd, c10d), by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        _one_call(q, k, s, args.backend, args.tile_size)
+    prof.disable()
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    if rank == 0:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        print(f"== {label}: cProfile of {args.calls} calls (own time)")
+        print(buf.getvalue())
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[4096], help="rows per rank")
@@ -65,6 +85,8 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=20, help="timed calls per point")
     p.add_argument("--profiled-calls", type=int, default=5)
     p.add_argument("--detail", action="store_true", help="print the operator counts per call")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also print the Python functions with the most own time (cProfile, rank 0)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -99,6 +121,8 @@ def main(argv=None) -> None:
             dist.barrier()
             aten, top, launches, counts, table = _profile(q, k, s, args.backend, args.profiled_calls, args.tile_size)
             rows.append((alg, b, aten, top, launches, host, wall))
+            if args.cprofile:
+                _python_profile(q, k, s, args, rank, f"{alg} b={b}")
             if rank == 0 and args.detail:
                 print(f"== {alg} b={b}: top-level aten ops per call")
                 for name, n in counts.most_common():

@@ -8,7 +8,9 @@ runs the same check on the same gathered table and raises the same ``ValueError`
 Why every call and not once per shape: with unequal per-rank sizes, a rank whose own shape did not
 change cannot know that another rank's did, so a cache keyed on the local shape would send it into
 a P2P exchange while its neighbour waits in the size exchange (a hang). The exchange is 8 integers
-per rank, one latency per step; the checks themselves are host-side comparisons.
+per rank, one latency per step; the checks themselves are host-side comparisons. On CUDA it runs
+on a side stream, so its readback waits for that one collective, not for the GPU work queued
+before the loss (:func:`_metadata_stream`).
 """
 
 from __future__ import annotations
@@ -143,6 +145,24 @@ def agree_on_input_errors(group=None):
         raise
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _metadata_stream(device: torch.device):
+    """On CUDA, a side stream (one per device) for the metadata exchange, so that its all-gather and
+    readback wait for each other only, not for the GPU work already queued on the current stream
+    (the features' encoders, the previous step's backward): the host reads the sizes after one
+    collective's latency instead of draining the GPU queue (issue 17). Nothing else runs on it.
+    Elsewhere a no-op."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(idx)
+    if stream is None:
+        stream = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return torch.cuda.stream(stream)
+
+
 def exchange_layout(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -169,10 +189,11 @@ def exchange_layout(
         table = [mine]
     else:
         dev = comm_device(group, query.device)
-        local = torch.tensor(mine, dtype=torch.int64, device=dev)
-        gathered = torch.empty((world * _NUM_FIELDS,), dtype=torch.int64, device=dev)
-        all_gather_single(gathered, local, group=group)
-        table = gathered.view(world, _NUM_FIELDS).tolist()
+        with _metadata_stream(dev):
+            local = torch.tensor(mine, dtype=torch.int64, device=dev)
+            gathered = torch.empty((world * _NUM_FIELDS,), dtype=torch.int64, device=dev)
+            all_gather_single(gathered, local, group=group)
+            table = gathered.view(world, _NUM_FIELDS).tolist()
     _check_table(table, protocol)
     return RingLayout(
         world=world,

@@ -1,0 +1,81 @@
+"""Worker of ``test_ring_fused_nccl.py`` (run by torchrun, one process per GPU): the fused
+distributed InfoNCE (``ds_infcl.loss.ring_fused``) on NCCL with the Triton backend, by both
+algorithms, ``labels=None`` (the diagonal shortcut, no positive-key gather) against explicit
+``labels = arange(b)`` and the float64 reference of the global batch; unequal per-rank sizes,
+one key per query and two (the shortcut's slice). Exit status 1 on any failure."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ds_infcl.loss import contrastive_loss
+from ds_infcl.ops.reference import contrastive_loss_reference
+
+# Relative to the largest reference magnitude (as ring_nccl_worker.py): bf16 gradients are rounded.
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-4, 1.5e-2)}
+
+
+def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
+    sizes = [700 + 1111 * r for r in range(world)]
+    key_sizes = [b * keys_per_query for b in sizes]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(sum(sizes), 256, generator=g), dim=1).to(device, dtype)
+    k = torch.nn.functional.normalize(torch.randn(sum(key_sizes), 256, generator=g), dim=1).to(device, dtype)
+    qs, ks = sum(sizes[:rank]), sum(key_sizes[:rank])
+    os.environ["DS_INFCL_ALGORITHM"] = algorithm
+    out = {}
+    for mode in ("none", "arange"):
+        ql = q[qs:qs + sizes[rank]].clone().requires_grad_(True)
+        kl = k[ks:ks + key_sizes[rank]].clone().requires_grad_(True)
+        s = torch.tensor(14.3, device=device, requires_grad=True)
+        labels = None if mode == "none" else torch.arange(sizes[rank], device=device)
+        loss = contrastive_loss(ql, kl, s, labels, symmetric=symmetric, backend="triton")
+        loss.backward()
+        ds = s.grad.clone()
+        dist.all_reduce(ds)
+        out[mode] = (loss.detach(), ql.grad / world, kl.grad / world, ds / world)
+    os.environ.pop("DS_INFCL_ALGORITHM")
+    glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(sizes)]).to(device)
+    qr, kr = q.double().requires_grad_(True), k.double().requires_grad_(True)
+    sr = torch.tensor(14.3, dtype=torch.float64, device=device, requires_grad=True)
+    ref = contrastive_loss_reference(qr, kr, sr, glabels, symmetric=symmetric)
+    ref.backward()
+    want = (ref.detach(), qr.grad[qs:qs + sizes[rank]], kr.grad[ks:ks + key_sizes[rank]], sr.grad)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+    errs = [max(rel(a, b) for a, b in zip(out[mode][1:], want[1:])) for mode in out]
+    loss_errs = [rel(out[mode][0], want[0]) for mode in out]
+    same = max(rel(a, b) for a, b in zip(out["none"], out["arange"]))
+    return max(loss_errs), max(errs), same
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    failed, seed = 0, 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for symmetric, kpq in ((True, 1), (True, 2), (False, 2)):
+            for algorithm in ("gather", "ring"):
+                seed += 1
+                errs = torch.tensor(run(rank, world, device, dtype, symmetric, kpq, algorithm, seed), device=device)
+                dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+                loss_tol, grad_tol = TOL[dtype]
+                # the shortcut and the general path: the same numbers up to the dtype's rounding
+                ok = errs[0] <= loss_tol and errs[1] <= grad_tol and errs[2] <= grad_tol
+                failed += not bool(ok)
+                if rank == 0:
+                    print(f"{'ok  ' if ok else 'FAIL'} W={world} {dtype} {'sym' if symmetric else 'one'} "
+                          f"keys/query={kpq} {algorithm}: rel err loss {errs[0]:.2e} grads {errs[1]:.2e}, "
+                          f"labels None vs arange {errs[2]:.2e}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
