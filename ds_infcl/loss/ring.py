@@ -63,7 +63,7 @@ _F32 = torch.float32
 def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
                   layout: RingLayout, group):
     b, c = query.shape
-    row = torch.full((b,), float("-inf"), device=query.device, dtype=_F32)
+    row = None  # the first block's row statistics start the merge (a fresh float32 tensor)
     cur_key, col_acc = key, None
     for t in range(layout.world):
         owner, nxt = layout.block_owner(t), layout.block_owner(t + 1)
@@ -84,7 +84,7 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
             exclude_positive=exclude_positive and own, compute_col=compute_col,
             backend=backend, tile_size=tile_size,
         )
-        torch.logaddexp(row, row_t, out=row)
+        row = row_t if row is None else torch.logaddexp(row, row_t, out=row)
         wait_all(works)
         if compute_col:
             col_acc = col_t if col_in is None else torch.logaddexp(col_t, col_in)

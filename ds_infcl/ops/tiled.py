@@ -116,7 +116,7 @@ def lse_forward_torch(
 def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
     # A statistic of -inf means every entry of that row/column is excluded (x = -inf), so its
     # probabilities must be 0: exp(-inf - 0) = 0, whereas exp(-inf - (-inf)) would be NaN.
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.where(torch.isfinite(lse), lse, 0.0)
 
 
 def lse_backward_torch(
@@ -149,7 +149,8 @@ def lse_backward_torch(
     if b == 0 or m == 0 or (grad_row is None and grad_col is None and grad_pos is None):
         return _cast(dq, out_dtype), _cast(dk, out_dtype), torch.zeros((), device=device, dtype=torch.float32)
     qf, kf = query.float(), key.float()
-    lab = labels_or_diagonal(labels, b, device) if (exclude_positive or grad_pos is not None) else None
+    # Index vectors only where needed: the diagonal's positive terms use slices (no gather).
+    lab = labels_or_diagonal(labels, b, device) if (exclude_positive or (grad_pos is not None and labels is not None)) else None
     r = _finite_or_zero(row_lse.float()) if grad_row is not None else None
     cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
     a = grad_row.float() if grad_row is not None else None
@@ -172,9 +173,13 @@ def lse_backward_torch(
             dk[j0:j1].addmm_(g.T, q_i)
         if grad_pos is not None:  # G_{i, labels_i} += grad_pos_i
             p = grad_pos[i0:i1].float()[:, None]
-            lab_i = lab[i0:i1]
-            dq[i0:i1].add_(kf[lab_i] * p)
-            dk.index_add_(0, lab_i, q_i * p)
+            if labels is None:  # the diagonal: key i
+                dq[i0:i1].add_(kf[i0:i1] * p)
+                dk[i0:i1].add_(q_i * p)
+            else:
+                lab_i = lab[i0:i1]
+                dq[i0:i1].add_(kf[lab_i] * p)
+                dk.index_add_(0, lab_i, q_i * p)
     dscale = (qf * dq).sum()
     dq.mul_(scale)
     dk.mul_(scale)
@@ -197,8 +202,9 @@ def positive_logits_torch(
     diagonal), ``tile_b`` rows at a time so that no float32 copy of the inputs is made."""
     b = query.shape[0]
     out = torch.empty((b,), device=query.device, dtype=torch.float32)
-    lab = labels_or_diagonal(labels, b, query.device)
+    lab = None if labels is None else labels_or_diagonal(labels, b, query.device)
     for i0 in range(0, b, tile_b):
         i1 = min(i0 + tile_b, b)
-        torch.sum(query[i0:i1].float() * key[lab[i0:i1]].float(), dim=1, out=out[i0:i1])
+        k_rows = key[i0:i1] if lab is None else key[lab[i0:i1]]  # the diagonal: a slice, no gather
+        torch.sum(query[i0:i1].float() * k_rows.float(), dim=1, out=out[i0:i1])
     return out.mul_(scale)
