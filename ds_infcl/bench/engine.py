@@ -102,7 +102,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     cmd = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
            "--deepspeed_config", args.deepspeed_config, "--config", os.path.join(out, "run.json"),
            "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
-           # torch.optim.AdamW (foreach): no JIT build of FusedAdam in every fresh machine
+           # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine
            "--ds-set", "optimizer.params.torch_adam=true"]
     for extra in args.ds_set:
         cmd += ["--ds-set", extra]

@@ -95,8 +95,8 @@ class ClipTask:
             and crop boxes; this process decodes each batch on its CUDA device with torchvision's
             batched nvjpeg ``decode_jpeg`` and crops/resizes it there: see
             ``ds_infcl.data.device_decode``). ``"gpu"`` needs torchvision and CUDA (a config
-            error otherwise, also under ``--check``), ``image_dtype: uint8``, and the batch kept
-            where it is (``data.pin_memory: false``: images already on the device cannot be pinned).
+            error otherwise, also under ``--check``) and ``image_dtype: uint8``; the trainer
+            pins only host tensors, so ``data.pin_memory`` may stay ``"auto"``.
         decode_batch: images per batched device decode call (``decode: gpu``).
         worker_batch_size: samples per loader-worker batch; the rank assembles its batch from
             them (``None``: each worker builds whole per-rank batches). Small worker batches (a few
