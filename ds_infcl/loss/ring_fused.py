@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ds_infcl.loss.ring import _ring_backward, _ring_forward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
-from ds_infcl.ring import RingLayout, all_gather_packed, reduce_scatter_packed
+from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 
 __all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction"]
 
@@ -74,18 +74,17 @@ def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Te
 
 
 class GatherInfoNCEFunction(torch.autograd.Function):
-    """The global InfoNCE from gathered features; see the module doc. Owns its collectives: one
-    all-gather of every rank's ``[queries; keys]`` (keys alone when not symmetric) in the forward,
-    one reduce-scatter of their gradients in the backward, run on every rank (a rank without
-    queries sends and receives zeros). Holds the gathered features: O((B + M) c)."""
+    """The global InfoNCE from gathered features; see the module doc. Owns its collectives: the
+    all-gather of the keys (and, symmetric, of the queries) in the forward, the reduce-scatter of
+    their gradients in the backward, on every rank (a rank without queries sends and receives
+    zeros), with no autograd node of their own. Holds the gathered features: O((B + M) c)."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group):
         s = scale.detach()  # read on the device by the kernels: no host sync
         b = query.shape[0]
-        parts = _gathered_parts(layout, symmetric)
-        gathered = all_gather_packed([query, key] if symmetric else [key], parts, group)
-        key_all, query_all = gathered[-1], (gathered[0] if symmetric else None)
+        key_all = all_gather_rows(key, layout.key_sizes, group)
+        query_all = all_gather_rows(query, layout.query_sizes, group) if symmetric else None
         row = col = pos = None
         if b:
             row, _ = lse_forward(query, key_all, s, compute_col=False, backend=backend, tile_size=tile_size)
@@ -94,64 +93,55 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 col, _ = lse_forward(_positive_rows(key, labels, b), query_all, s, compute_col=False,
                                      backend=backend, tile_size=tile_size)
         loss = _share_and_sum(row, col, pos, layout, group, query.device)
-        ctx.save_for_backward(query, key, labels, row, col, s)
-        ctx.gathered = (query_all, key_all)  # intermediates of this call, freed with the graph
+        ctx.save_for_backward(query, key, labels, row, col, s, query_all, key_all)
         ctx.scale_shape = scale.shape
-        ctx.options = (symmetric, backend, tile_size, layout, group, parts)
+        ctx.options = (symmetric, backend, tile_size, layout, group)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, labels, row, col, s = ctx.saved_tensors
-        query_all, key_all = ctx.gathered
-        del ctx.gathered
-        symmetric, backend, tile_size, layout, group, parts = ctx.options
+        query, key, labels, row, col, s, query_all, key_all = ctx.saved_tensors
+        symmetric, backend, tile_size, layout, group = ctx.options
         b, m = query.shape[0], key.shape[0]
-        dq = dk = dscale = None
-        if b == 0:  # zeros keep this rank in the reduce-scatter
+        # Every rank runs the same collectives in the same order (keys, then queries); each
+        # gathered gradient is reduce-scattered as soon as it is complete, so that at most one of
+        # them is alive at a time.
+        if b == 0:  # zeros keep this rank in the reduce-scatters
+            dk = reduce_scatter_rows(torch.zeros_like(key_all), layout.key_sizes, layout.rank, group)
             dq = torch.zeros_like(query)
-            dk_all = torch.zeros_like(key_all)
-            dq_all = torch.zeros_like(query_all) if symmetric else None
-            dscale = torch.zeros((), device=s.device, dtype=_F32)
-        else:
-            w = _weight(grad, layout, symmetric)
-            wb = w.expand(b)
-            # Query i's positive is key key_offset + l_i of key_all: its terms join the row direction.
-            offset = layout.key_offset()
-            if labels is not None:
-                lab_all = labels + offset if offset else labels
-            else:
-                lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
-            dq, dk_all, dscale = lse_backward(
-                query, key_all, s, row, None, wb, None, labels=lab_all,
-                grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), out_dtype=query.dtype,
-                backend=backend, tile_size=tile_size,
-            )
-            dq_all = None
             if symmetric:
-                dkp, dq_all, ds_col = lse_backward(
-                    _positive_rows(key, labels, b), query_all, s, col, None, wb, None,
-                    out_dtype=query.dtype, backend=backend, tile_size=tile_size,
-                )
-                dscale = dscale + ds_col
-                if labels is None and m == b:
-                    dk = dkp
-                elif labels is None:
-                    dk = key.new_zeros(key.shape)
-                    dk[:b] = dkp
-                else:
-                    dk = key.new_zeros(key.shape).index_add_(0, labels, dkp)
-        own = reduce_scatter_packed([dq_all, dk_all] if symmetric else [dk_all], parts, layout.rank, group)
-        dk = own[-1] if dk is None else dk.add_(own[-1])
+                dq = reduce_scatter_rows(torch.zeros_like(query_all), layout.query_sizes, layout.rank, group)
+            dscale = torch.zeros(ctx.scale_shape, device=s.device, dtype=_F32) if ctx.needs_input_grad[2] else None
+            return dq, dk, dscale, None, None, None, None, None, None
+        w = _weight(grad, layout, symmetric)
+        wb = w.expand(b)
+        # Query i's positive is key key_offset + l_i of key_all: its terms join the row direction.
+        offset = layout.key_offset()
+        if labels is not None:
+            lab_all = labels + offset if offset else labels
+        else:
+            lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
+        dq, dk_all, dscale = lse_backward(
+            query, key_all, s, row, None, wb, None, labels=lab_all,
+            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), out_dtype=query.dtype,
+            backend=backend, tile_size=tile_size,
+        )
+        dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
+        del dk_all
         if symmetric:
-            dq = dq.add_(own[0])
+            dkp, dq_all, ds_col = lse_backward(
+                _positive_rows(key, labels, b), query_all, s, col, None, wb, None,
+                out_dtype=query.dtype, backend=backend, tile_size=tile_size,
+            )
+            dq.add_(reduce_scatter_rows(dq_all, layout.query_sizes, layout.rank, group))
+            del dq_all
+            dscale = dscale + ds_col
+            if labels is None:  # the diagonal: key i (a slice when there are more keys)
+                dk[:b].add_(dkp)
+            else:
+                dk.index_add_(0, labels, dkp)
         dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq, dk, dscale, None, None, None, None, None, None
-
-
-def _gathered_parts(layout: RingLayout, symmetric: bool):
-    """Per-rank row counts of the gathered parts: ``(queries, keys)`` or ``(keys,)``."""
-    return (layout.query_sizes, layout.key_sizes) if symmetric else (layout.key_sizes,)
 
 
 class RingInfoNCEFunction(torch.autograd.Function):

@@ -13,10 +13,10 @@ deepspeed (:func:`default_group` only looks at ``sys.modules``).
 from ds_infcl.ring.collectives import (
     all_gather_blocks,
     all_gather_nograd,
-    all_gather_packed,
+    all_gather_rows,
     all_gather_with_grad,
     global_sum_with_grad,
-    reduce_scatter_packed,
+    reduce_scatter_rows,
 )
 from ds_infcl.ring.groups import default_group, global_rank, group_rank, group_size, resolve_group
 from ds_infcl.ring.layout import (
@@ -34,7 +34,7 @@ __all__ = [
     "agree_on_input_errors",
     "all_gather_blocks",
     "all_gather_nograd",
-    "all_gather_packed",
+    "all_gather_rows",
     "all_gather_with_grad",
     "comm_device",
     "default_group",
@@ -44,7 +44,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "post_ring_shift",
-    "reduce_scatter_packed",
+    "reduce_scatter_rows",
     "resolve_group",
     "ring_shift",
     "wait_all",

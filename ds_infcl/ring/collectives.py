@@ -11,10 +11,9 @@ global loss ``L``.
   all ranks (reduce-scatter, or all-reduce and slice as DisCo-CLIP does) without averaging.
 - :func:`all_gather_nograd` / :func:`all_gather_blocks`: the same without gradient, with the
   sizes given or exchanged first.
-- :func:`all_gather_packed` / :func:`reduce_scatter_packed`: raw (no autograd) gather of several
-  row blocks in one collective, and the reduce-scatter of their gradients in one collective, for
-  an autograd Function that owns its backward (the fused InfoNCE of ``ds_infcl.loss.ring_fused``:
-  queries and keys in one all-gather instead of two, issue 17).
+- :func:`all_gather_rows` / :func:`reduce_scatter_rows`: the same two steps without autograd, for
+  a Function that owns its backward (the fused InfoNCE of ``ds_infcl.loss.ring_fused``: no
+  autograd node per collective, issue 17).
 
 These are the package's only autograd collectives: the InfoNCE ring, the baselines, SigLIP and the
 retrieval loss with false-negative masking all use them.
@@ -22,7 +21,7 @@ retrieval loss with false-negative masking all use them.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from ds_infcl.ring.layout import RingLayout, all_gather_single, reduce_scatter_s
 
 __all__ = [
     "global_sum_with_grad", "all_gather_with_grad", "all_gather_nograd", "all_gather_blocks",
-    "all_gather_packed", "reduce_scatter_packed",
+    "all_gather_rows", "reduce_scatter_rows",
 ]
 
 
@@ -109,24 +108,38 @@ class _AllGatherWithGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         sizes, rank, group = ctx.sizes, ctx.rank, ctx.group
-        start = sum(sizes[:rank])
         if ctx.reduce == "all_reduce":  # DisCo-CLIP: sum the whole gradient, keep our slice
+            start = sum(sizes[:rank])
             grad = grad.contiguous().clone()
             dist.all_reduce(grad, group=group)
             return grad[start : start + sizes[rank]], None, None, None, None
-        rows = max(sizes)
-        tail = tuple(grad.shape[1:])
-        if all(s == rows for s in sizes):
-            padded = grad.contiguous()
-        else:
-            padded = grad.new_zeros((len(sizes) * rows,) + tail)
-            offset = 0
-            for i, s in enumerate(sizes):
-                padded[i * rows : i * rows + s] = grad[offset : offset + s]
-                offset += s
-        out = grad.new_empty((rows,) + tail)
-        reduce_scatter_single(out, padded, group=group)
-        return out[: sizes[rank]], None, None, None, None
+        return reduce_scatter_rows(grad, sizes, rank, group), None, None, None, None
+
+
+def all_gather_rows(x: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """Every rank's ``x`` (``sizes[i]`` rows on rank ``i``) concatenated in rank order, by one
+    all-gather (padded to the largest block when sizes differ); no autograd."""
+    return x if len(sizes) == 1 else _gather_padded(x, sizes, group)
+
+
+def reduce_scatter_rows(grad: torch.Tensor, sizes: Sequence[int], rank: int, group=None) -> torch.Tensor:
+    """The backward of :func:`all_gather_rows`: this rank's rows of ``grad`` summed over the ranks,
+    by one reduce-scatter; no autograd."""
+    if len(sizes) == 1:
+        return grad
+    rows = max(sizes)
+    tail = tuple(grad.shape[1:])
+    if all(s == rows for s in sizes):
+        padded = grad.contiguous()
+    else:
+        padded = grad.new_zeros((len(sizes) * rows,) + tail)
+        offset = 0
+        for i, s in enumerate(sizes):
+            padded[i * rows : i * rows + s] = grad[offset : offset + s]
+            offset += s
+    out = grad.new_empty((rows,) + tail)
+    reduce_scatter_single(out, padded, group=group)
+    return out[: sizes[rank]]
 
 
 def all_gather_with_grad(
@@ -144,71 +157,3 @@ def all_gather_with_grad(
         return x
     return _AllGatherWithGrad.apply(x, tuple(layout_sizes), rank, group, reduce)
 
-
-def _packed_rows(sizes_per_part: Sequence[Sequence[int]]) -> Tuple[List[int], int]:
-    """Offsets of each part inside one rank's packed block and the block's row count (every part
-    padded to its largest per-rank size, so that all ranks send blocks of one shape)."""
-    offsets, rows = [], 0
-    for sizes in sizes_per_part:
-        offsets.append(rows)
-        rows += max(sizes)
-    return offsets, rows
-
-
-def all_gather_packed(parts: Sequence[torch.Tensor], sizes_per_part: Sequence[Sequence[int]], group=None
-                      ) -> List[torch.Tensor]:
-    """Every rank's rows of each of ``parts`` (``[n_r, c]`` tensors of one dtype and ``c``), in rank
-    order, by one all-gather: ``[sum_r sizes_per_part[j][r], c]`` for part ``j``. No gradient
-    (pair with :func:`reduce_scatter_packed` in a backward). Padding rows are never read."""
-    world = len(sizes_per_part[0])
-    if world == 1:
-        return list(parts)
-    offsets, rows = _packed_rows(sizes_per_part)
-    ref = parts[0]
-    padded = any(len(set(sizes)) > 1 for sizes in sizes_per_part)
-    if padded:
-        send = ref.new_empty((rows,) + tuple(ref.shape[1:]))
-        for off, t in zip(offsets, parts):
-            send[off:off + t.shape[0]] = t
-    else:
-        send = torch.cat(list(parts)) if len(parts) > 1 else parts[0].contiguous()
-    out = ref.new_empty((world * rows,) + tuple(ref.shape[1:]))
-    all_gather_single(out, send, group=group)
-    blocks = out.view((world, rows) + tuple(ref.shape[1:]))
-    gathered = []
-    for off, sizes in zip(offsets, sizes_per_part):
-        if not padded and len(parts) == 1:
-            gathered.append(out)
-        elif not padded:
-            gathered.append(blocks[:, off:off + sizes[0]].reshape((-1,) + tuple(ref.shape[1:])))
-        else:
-            gathered.append(torch.cat([blocks[r, off:off + n] for r, n in enumerate(sizes)]))
-    return gathered
-
-
-def reduce_scatter_packed(grads: Sequence[torch.Tensor], sizes_per_part: Sequence[Sequence[int]], rank: int,
-                          group=None) -> List[torch.Tensor]:
-    """The backward of :func:`all_gather_packed`: ``grads[j]`` (gradient of gathered part ``j``,
-    rank-ordered rows) summed over the ranks, by one reduce-scatter; returns this rank's rows of
-    each part (views into one buffer)."""
-    world = len(sizes_per_part[0])
-    if world == 1:
-        return list(grads)
-    offsets, rows = _packed_rows(sizes_per_part)
-    ref = grads[0]
-    tail = tuple(ref.shape[1:])
-    padded = any(len(set(sizes)) > 1 for sizes in sizes_per_part)
-    if padded:
-        buf = ref.new_zeros((world, rows) + tail)
-        for off, sizes, g in zip(offsets, sizes_per_part, grads):
-            start = 0
-            for r, n in enumerate(sizes):
-                buf[r, off:off + n] = g[start:start + n]
-                start += n
-    elif len(grads) == 1:
-        buf = ref.contiguous()
-    else:
-        buf = torch.cat([g.reshape((world, sizes[0]) + tail) for g, sizes in zip(grads, sizes_per_part)], dim=1)
-    out = ref.new_empty((rows,) + tail)
-    reduce_scatter_single(out, buf.reshape((world * rows,) + tail), group=group)
-    return [out[off:off + sizes[rank]] for off, sizes in zip(offsets, sizes_per_part)]
