@@ -7,6 +7,9 @@ host, per algorithm (``DS_INFCL_ALGORITHM`` = ``gather`` / ``ring``), with ``tor
 
 - ``aten ops/call``: every ``aten::`` operator the dispatcher runs (nested ones included);
 - ``top ops/call``: the ``aten::`` operators called from Python or autograd directly (not nested);
+- ``glue ops/call``: the top-level ones outside the backends' block functions (``lse_forward_*``,
+  ``lse_backward_*``, ``positive_logits_*``): autograd, collectives, casts, the loss composition,
+  which the torch and Triton backends share;
 - ``kernels/call``: CUDA kernel launches (GPU runs only);
 - ``host ms/call``: the loop's wall time per call without the profiler, no synchronization
   inside the loop (on CPU this includes the arithmetic itself: use a small ``--batch`` to see
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import time
 
@@ -35,11 +39,56 @@ def _one_call(q, k, s, backend, tile_size=None):
                      check_finite=False).backward()
 
 
+# The block-level maths of each backend (what runs per LSE call); everything else in a loss call
+# is "glue": autograd, collectives, casts, the composition of the loss.
+_KERNEL_OPS = {
+    "ds_infcl.ops.lse": ("lse_forward_torch", "lse_backward_torch", "positive_logits_torch"),
+    "ds_infcl.ops.triton_lse": ("lse_forward_triton", "lse_backward_triton", "positive_logits_triton"),
+}
+
+
+@contextlib.contextmanager
+def _label_kernel_ops():
+    """Wrap the backends' block functions in profiler ranges named ``kernel_op::<name>``."""
+    import importlib
+
+    from torch.profiler import record_function
+
+    saved = []
+    for mod_name, names in _KERNEL_OPS.items():
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:  # no Triton here
+            continue
+        for name in names:
+            fn = getattr(mod, name)
+
+            def wrapped(*a, _fn=fn, _name=name, **kw):
+                with record_function("kernel_op::" + _name):
+                    return _fn(*a, **kw)
+
+            saved.append((mod, name, fn))
+            setattr(mod, name, wrapped)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def _inside_kernel_op(e) -> bool:
+    while e is not None:
+        if e.name.startswith("kernel_op::"):
+            return True
+        e = e.cpu_parent
+    return False
+
+
 def _profile(q, k, s, backend, calls, tile_size=None):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
-    with profile(activities=acts) as prof:
+    with _label_kernel_ops(), profile(activities=acts) as prof:
         for _ in range(calls):
             _one_call(q, k, s, backend, tile_size)
         if q.is_cuda:
@@ -47,10 +96,11 @@ def _profile(q, k, s, backend, calls, tile_size=None):
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    glue = [e for e in top if not _inside_kernel_op(e)]
     launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-    counts = collections.Counter(e.name for e in top)
+    counts = collections.Counter(e.name for e in glue)
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
-    return len(aten) / calls, len(top) / calls, launches / calls, counts, table
+    return (len(aten) / calls, len(top) / calls, len(glue) / calls, launches / calls, counts, table)
 
 
 def _python_profile(q, k, s, args, rank, label) -> None:
@@ -119,12 +169,13 @@ def main(argv=None) -> None:
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.calls * 1e3
             dist.barrier()
-            aten, top, launches, counts, table = _profile(q, k, s, args.backend, args.profiled_calls, args.tile_size)
-            rows.append((alg, b, aten, top, launches, host, wall))
+            aten, top, glue, launches, counts, table = _profile(q, k, s, args.backend, args.profiled_calls,
+                                                                args.tile_size)
+            rows.append((alg, b, aten, top, glue, launches, host, wall))
             if args.cprofile:
                 _python_profile(q, k, s, args, rank, f"{alg} b={b}")
             if rank == 0 and args.detail:
-                print(f"== {alg} b={b}: top-level aten ops per call")
+                print(f"== {alg} b={b}: top-level aten ops per call outside the backends' block functions")
                 for name, n in counts.most_common():
                     print(f"  {n / args.profiled_calls:6.1f}  {name}")
                 print(f"== {alg} b={b}: {args.profiled_calls} calls by CPU time")
@@ -133,10 +184,11 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"\nworld {dist.get_world_size()}, {device.type}, {dtype}, c = {args.dim}, backend {args.backend}, "
               f"tile {args.tile_size or 'default'}")
-        print("| algorithm | b per rank | aten ops/call | top ops/call | kernels/call | host ms/call | wall ms/call |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for alg, b, aten, top, launches, host, wall in rows:
-            print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {launches:.0f} | {host:.2f} | {wall:.2f} |")
+        print("| algorithm | b per rank | aten ops/call | top ops/call | glue ops/call | kernels/call "
+              "| host ms/call | wall ms/call |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for alg, b, aten, top, glue, launches, host, wall in rows:
+            print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {glue:.0f} | {launches:.0f} | {host:.2f} | {wall:.2f} |")
     dist.destroy_process_group()
 
 
