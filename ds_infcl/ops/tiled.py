@@ -156,6 +156,7 @@ def lse_backward_torch(
     a = grad_row.float() if grad_row is not None else None
     bw = grad_col.float() if grad_col is not None else None
     col_starts = range(0, m, tile_m) if (a is not None or bw is not None) else ()  # LSE terms?
+    pw = grad_pos.float()[:, None] if grad_pos is not None else None
     for i0 in range(0, b, tile_b):
         i1 = min(i0 + tile_b, b)
         q_i = qf[i0:i1]
@@ -172,7 +173,7 @@ def lse_backward_torch(
             dq[i0:i1].addmm_(g, k_j)
             dk[j0:j1].addmm_(g.T, q_i)
         if grad_pos is not None:  # G_{i, labels_i} += grad_pos_i
-            p = grad_pos[i0:i1].float()[:, None]
+            p = pw[i0:i1]
             if labels is None:  # the diagonal: key i
                 dq[i0:i1].add_(kf[i0:i1] * p)
                 dk[i0:i1].add_(q_i * p)
