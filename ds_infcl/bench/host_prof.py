@@ -182,13 +182,15 @@ def main(argv=None) -> None:
                 print(table)
             os.environ.pop("DS_INFCL_ALGORITHM", None)
     if rank == 0:
-        print(f"\nworld {dist.get_world_size()}, {device.type}, {dtype}, c = {args.dim}, backend {args.backend}, "
+        print(f"\nworld {dist.get_world_size()}, {device.type}, {dtype}, c = {args.dim}, "
+              f"backend {args.backend}, "
               f"tile {args.tile_size or 'default'}")
         print("| algorithm | b per rank | aten ops/call | top ops/call | glue ops/call | kernels/call "
               "| host ms/call | wall ms/call |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for alg, b, aten, top, glue, launches, host, wall in rows:
-            print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {glue:.0f} | {launches:.0f} | {host:.2f} | {wall:.2f} |")
+            print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {glue:.0f} | {launches:.0f} "
+                  f"| {host:.2f} | {wall:.2f} |")
     dist.destroy_process_group()
 
 

@@ -21,12 +21,13 @@ the backward, with upstream ``g``, uses the weight ``w = g W f / B`` (the ``W`` 
 contract, see ``ds_infcl.ring.collectives``) for every LSE term and ``-w`` per direction for each
 positive logit.
 
-- Gather (``GatherInfoNCEFunction``): inputs include the gathered keys ``K_all`` (and, symmetric,
-  queries ``Q_all``) from ``all_gather_with_grad``, so their reduce-scatter runs in the backward on
-  every rank; a rank without queries returns zero gradients for them, which keeps the collectives
-  paired without extra graph terms. ``row = lse(Q_r, K_all)``, ``col' = lse(K_r[l], Q_all)``
-  (``K_r`` itself for the diagonal with one key per query: no copy). The positive of query i is key
-  ``key_offset + l_i`` of ``K_all``, so the row direction's backward adds the positive terms.
+- Gather (``GatherInfoNCEFunction``): the Function all-gathers the keys ``K_all`` (and, symmetric,
+  the queries ``Q_all``) in its forward and reduce-scatters their gradients in its backward, on
+  every rank and in the same order; a rank without queries reduce-scatters zeros, which keeps the
+  collectives paired without extra graph terms. ``row = lse(Q_r, K_all)``,
+  ``col' = lse(K_r[l], Q_all)`` (``K_r`` itself for the diagonal with one key per query: no
+  copy). The positive of query i is key ``key_offset + l_i`` of ``K_all``, so the row
+  direction's backward adds the positive terms.
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
 """
@@ -61,7 +62,8 @@ def _share_and_sum(row, col_pos, pos, layout: RingLayout, group, device) -> torc
     elif col_pos is None:
         share = (row - pos).sum().mul_(1.0 / layout.num_queries).reshape(1)
     else:
-        share = torch.add(row, col_pos).sub_(pos, alpha=2.0).sum().mul_(0.5 / layout.num_queries).reshape(1)
+        share = torch.add(row, col_pos).sub_(pos, alpha=2.0).sum().mul_(0.5 / layout.num_queries)
+        share = share.reshape(1)
     if layout.world > 1:
         dist.all_reduce(share, group=group)
     return share.reshape(())
@@ -111,7 +113,9 @@ class GatherInfoNCEFunction(torch.autograd.Function):
             dq = torch.zeros_like(query)
             if symmetric:
                 dq = reduce_scatter_rows(torch.zeros_like(query_all), layout.query_sizes, layout.rank, group)
-            dscale = torch.zeros(ctx.scale_shape, device=s.device, dtype=_F32) if ctx.needs_input_grad[2] else None
+            dscale = None
+            if ctx.needs_input_grad[2]:
+                dscale = torch.zeros(ctx.scale_shape, device=s.device, dtype=_F32)
             return dq, dk, dscale, None, None, None, None, None, None
         w = _weight(grad, layout, symmetric)
         wb = w.expand(b)

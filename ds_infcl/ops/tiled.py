@@ -150,7 +150,8 @@ def lse_backward_torch(
         return _cast(dq, out_dtype), _cast(dk, out_dtype), torch.zeros((), device=device, dtype=torch.float32)
     qf, kf = query.float(), key.float()
     # Index vectors only where needed: the diagonal's positive terms use slices (no gather).
-    lab = labels_or_diagonal(labels, b, device) if (exclude_positive or (grad_pos is not None and labels is not None)) else None
+    need_lab = exclude_positive or (grad_pos is not None and labels is not None)
+    lab = labels_or_diagonal(labels, b, device) if need_lab else None
     r = _finite_or_zero(row_lse.float()) if grad_row is not None else None
     cl = _finite_or_zero(col_lse.float()) if grad_col is not None else None
     a = grad_row.float() if grad_row is not None else None

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or os.environ.get("TRITON_INTERPRET", "0") == "1":
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or _INTERPRET:
     pytest.skip("needs 2 CUDA GPUs and TRITON_INTERPRET=0", allow_module_level=True)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ring_fused_nccl_worker.py")
