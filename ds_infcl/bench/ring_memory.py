@@ -29,6 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 IMPLS = ("infcl", "local", "vanilla")
+# infcl with its algorithm pinned (DS_INFCL_ALGORITHM): the ring, or one all-gather of the features
+PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
 
 
 def _status_bytes(field: str) -> int:
@@ -53,8 +55,14 @@ def _point(impl: str, b: int, c: int, tile: int, rank: int) -> Dict:
         f.write("5")  # reset the peak resident set to the current one
     base = _status_bytes("VmRSS")
     t0 = time.perf_counter()
-    loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend="torch", tile_size=tile)
-    loss.backward()
+    if impl in PINNED:
+        os.environ["DS_INFCL_ALGORITHM"] = PINNED[impl]
+    try:
+        loss = contrastive_loss(q, k, scale, symmetric=True, impl="infcl" if impl in PINNED else impl,
+                                backend="torch", tile_size=tile)
+        loss.backward()
+    finally:
+        os.environ.pop("DS_INFCL_ALGORITHM", None)
     seconds = time.perf_counter() - t0
     peak = _status_bytes("VmHWM")
     return {"impl": impl, "b": b, "extra_bytes": peak - base, "seconds": seconds, "loss": loss.item()}
@@ -89,7 +97,7 @@ def measure(world: int, batch: Sequence[int], impls: Sequence[str] = IMPLS, c: i
     points = []
     for impl in impls:
         for b in batch:
-            n = (world * b) ** 2 if impl == "vanilla" else (b * world * b if impl != "infcl" else 0)
+            n = (world * b) ** 2 if impl == "vanilla" else (b * world * b if not impl.startswith("infcl") else 0)
             if n <= max_global_logits:
                 points.append((impl, b))
     with socket.socket() as s:
@@ -143,7 +151,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--batch", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS) + list(PINNED))
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tile", type=int, default=256)
     parser.add_argument("--max-logits", type=float, default=2**26,
