@@ -117,6 +117,12 @@ def resolve_deepspeed_config(
     if not isinstance(ds_config, dict):
         raise ConfigError(f"{source}: expected a JSON object")
     check_deepspeed_blocks(ds_config, source)
+    fp16 = bool((ds_config.get("fp16") or {}).get("enabled", False))
+    if cfg.batch.gather_params is True and fp16:  # also refused by the engine; --check says it first
+        raise ConfigError(
+            f"batch.gather_params: true is not supported with fp16 ({source} has fp16.enabled); use bf16, "
+            "or set batch.gather_params to \"auto\" or false"
+        )
     B = cfg.batch.global_batch_size
     if B % world_size:
         raise ConfigError(

@@ -230,3 +230,15 @@ def test_deepspeed_typos_are_warned_and_invalid_blocks_refused(tmp_path, capsys)
         if name.endswith(".json"):
             with open(os.path.join(os.path.dirname(ZERO2), name)) as f:
                 assert unknown_deepspeed_keys(json.load(f)) == [], name
+
+
+def test_gather_params_values_and_fp16():
+    with pytest.raises(ConfigError, match=r"batch.gather_params"):
+        _cfg(batch={"grad_cache": True, "chunk_size": 8, "gather_params": "yes"})
+    forced = _cfg(batch={"grad_cache": True, "chunk_size": 8, "gather_params": True})
+    with pytest.raises(ConfigError, match=r"gather_params: true is not supported with fp16 \(Z.json has fp16.enabled\)"):
+        resolve_deepspeed_config(forced, {"fp16": {"enabled": True}}, 2, source="Z.json")
+    resolve_deepspeed_config(forced, {"bf16": {"enabled": True}}, 2)  # bf16: fine
+    auto = _cfg(batch={"grad_cache": True, "chunk_size": 8})
+    assert auto.batch.gather_params == "auto"
+    resolve_deepspeed_config(auto, {"fp16": {"enabled": True}}, 2)  # auto: the engine keeps ZeRO-3's path
