@@ -78,6 +78,29 @@ def parse_impl(spec: str):
     return loss, [IMPL_OPTIONS[o] for o in options]
 
 
+def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
+    """Run one case's command (the repository on its ``PYTHONPATH``, output to ``log_path``, its own
+    process group, killed after ``timeout`` seconds); returns ``(status, wall seconds, log text)``,
+    status ``ok``, ``failed``, ``oom``, ``timeout`` or ``exit_codes[rc]``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            status = "ok" if rc == 0 else (exit_codes or {}).get(rc, "failed")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            status = "timeout"
+    wall = time.time() - t0
+    text = open(log_path, errors="replace").read()
+    if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
+        status = "oom"
+    return status, wall, text
+
+
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     out = os.path.join(args.out, tag.replace("+", "_"))
     shutil.rmtree(out, ignore_errors=True)
@@ -106,23 +129,8 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
            "--ds-set", "optimizer.params.torch_adam=true"]
     for extra in args.ds_set:
         cmd += ["--ds-set", extra]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     log_path = os.path.join(out, "log.txt")
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.case_timeout)
-            status = "ok" if rc == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            status = "timeout"
-    wall = time.time() - t0
-    text = open(log_path, errors="replace").read()
-    if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
-        status = "oom"
+    status, wall, text = _launch(cmd, log_path, args.case_timeout)
     if status == "failed":
         print(f"[bench] {tag} failed; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-30:]), flush=True)
     row = {"impl": impl, "global_batch": global_batch, "gpus": args.num_gpus, "chunk": run["batch"]["chunk_size"], "steps": steps,
@@ -162,29 +170,15 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int) -> Dict:
         cmd = [torchrun, "--nproc_per_node", str(args.num_gpus), "--master_port", str(free_port())] + module_args
     else:
         cmd = [sys.executable] + module_args
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     log_path = os.path.join(out, "log.txt")
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.case_timeout)
-            status = "ok" if rc == 0 else ("no open_clip" if rc == MISSING_EXIT_CODE else "failed")
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            status = "timeout"
-    text = open(log_path, errors="replace").read()
-    if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
-        status = "oom"
+    status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"})
     if status in ("failed", "no open_clip"):
         print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
     row = {"impl": "openclip_step" + (f" accum_freq {accum_freq}" if accum_freq > 1 else ""), "phase": "openclip",
            "global_batch": batch_per_gpu * args.num_gpus, "gpus": args.num_gpus,
            "chunk": batch_per_gpu // accum_freq if accum_freq > 1 else "", "steps": args.openclip_steps,
            "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
-           "wall_s": round(time.time() - t0, 1)}
+           "wall_s": round(wall, 1)}
     if status == "ok":
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)

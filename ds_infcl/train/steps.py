@@ -122,7 +122,6 @@ def grad_cache_step(
             chunks outside ZeRO-3's module hooks, one micro-step per step
             (``ds_infcl.train.zero3_gather``; ``batch.gather_params``).
     """
-    model = engine.module
     chunks = batch.chunks(chunk_size)
     gas = engine.gradient_accumulation_steps()
     if len(chunks) != gas:
@@ -130,47 +129,60 @@ def grad_cache_step(
             f"GradCache: {len(chunks)} chunks but gradient_accumulation_steps is {gas}; the DeepSpeed "
             "config must be resolved with resolve_deepspeed_config"
         )
-    kpq = batch.keys_per_query
-
     if gather_params:
         return _grad_cache_gathered(engine, batch, chunks, device, verify_replay)
 
-    # Pass 1: features of the whole local batch, without gradients, one chunk on the device at a time.
-    rng_states, query, key, loss_params, rng_after = _encode_chunks(engine, chunks, device)
-
-    # Pass 2: the global loss and its gradients for the features and the loss parameters, once.
-    loss, grad_q, grad_k, grad_p = _feature_gradients(
-        model.loss, query, key, _loss_kwargs(engine, batch, device), model.loss_param_names, loss_params
-    )
-    zero_p = tuple(torch.zeros_like(g) for g in grad_p)
-
+    # Passes 1 and 2: features chunk by chunk without gradients; the loss and its gradients once.
+    cache = _passes_1_and_2(engine, engine, batch, chunks, device)
     # Pass 3: one DeepSpeed micro-step per chunk.
-    start = 0
-    for i, ch in enumerate(chunks):
-        n = len(ch)
-        last = i == len(chunks) - 1
-        if last and not engine.is_gradient_accumulation_boundary():
+    for i in range(len(chunks)):
+        if i == len(chunks) - 1 and not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("GradCache: the last chunk is not at DeepSpeed's accumulation boundary")
-        set_rng_state(rng_states[i], device)
-        dev = move_batch(ch, device)
-        surrogate, q, k = engine(
-            "surrogate", dev.query_inputs, dev.key_inputs, None,
-            grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq],
-            grad_p if last else zero_p,
-        )
-        if verify_replay:
-            _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
+        surrogate = cache.replay(engine, chunks, i, device, verify_replay)
         engine.backward(surrogate, scale_wrt_gas=False)
         engine.step()
-        start += n
-    set_rng_state(rng_after, device)
-    return StepResult(float(loss), len(chunks))
+    set_rng_state(cache.rng_after, device)
+    return StepResult(float(cache.loss), len(chunks))
 
 
-def _encode_chunks(call, chunks, device):
+@dataclass
+class _Cache:
+    """What passes 1 and 2 leave for pass 3: the RNG state before each chunk and after the last,
+    the features, the loss, its gradients for the features and the loss parameters (``zero_p``:
+    zeros of the latter, for every chunk but the last), and each chunk's first query."""
+
+    rng_states: List[Tuple]
+    rng_after: Tuple
+    query: torch.Tensor
+    key: torch.Tensor
+    loss: torch.Tensor
+    grad_q: torch.Tensor
+    grad_k: torch.Tensor
+    grad_p: Tuple[torch.Tensor, ...]
+    zero_p: Tuple[torch.Tensor, ...]
+    starts: List[int]
+    keys_per_query: int
+
+    def replay(self, call, chunks, i: int, device: torch.device, verify_replay: bool) -> torch.Tensor:
+        """Re-encode chunk ``i`` under its saved RNG state (``call``: the engine, or the bare module
+        under gathered parameters) and return its surrogate (see the module docstring)."""
+        n, start, kpq = len(chunks[i]), self.starts[i], self.keys_per_query
+        set_rng_state(self.rng_states[i], device)
+        dev = move_batch(chunks[i], device)
+        surrogate, q, k = call(
+            "surrogate", dev.query_inputs, dev.key_inputs, None,
+            self.grad_q[start : start + n], self.grad_k[start * kpq : (start + n) * kpq],
+            self.grad_p if i == len(chunks) - 1 else self.zero_p,
+        )
+        if verify_replay:
+            _check_replay(i, q, self.query[start : start + n], k, self.key[start * kpq : (start + n) * kpq])
+        return surrogate
+
+
+def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device) -> _Cache:
     """Pass 1: every chunk's features without gradients (``call`` is the engine, or the bare
-    module under gathered parameters), the RNG state before each chunk and after the last, and
-    the loss parameters."""
+    module under gathered parameters), one chunk on the device at a time. Pass 2: the global loss
+    and its gradients for the features and the loss parameters, once."""
     rng_states: List[Tuple] = []
     q_parts, k_parts = [], []
     with torch.no_grad():
@@ -182,9 +194,17 @@ def _encode_chunks(call, chunks, device):
             k_parts.append(k)
         loss_params = call("loss_params")
     rng_after = get_rng_state(device)
-    query = torch.cat(q_parts)
-    key = torch.cat(k_parts)
-    return rng_states, query, key, loss_params, rng_after
+    query, key = torch.cat(q_parts), torch.cat(k_parts)
+    del q_parts, k_parts
+    model = engine.module
+    loss, grad_q, grad_k, grad_p = _feature_gradients(
+        model.loss, query, key, _loss_kwargs(engine, batch, device), model.loss_param_names, loss_params
+    )
+    starts = [0]
+    for ch in chunks[:-1]:
+        starts.append(starts[-1] + len(ch))
+    return _Cache(rng_states, rng_after, query, key, loss, grad_q, grad_k, grad_p,
+                  tuple(torch.zeros_like(g) for g in grad_p), starts, batch.keys_per_query)
 
 
 def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool) -> StepResult:
@@ -198,31 +218,13 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
     from ds_infcl.train.zero3_gather import GradientBuffers, module_hooks_off
 
     model = engine.module
-    kpq = batch.keys_per_query
     params = list(model.parameters())
     buffers = GradientBuffers(params)
     with module_hooks_off(engine), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        rng_states, query, key, loss_params, rng_after = _encode_chunks(model, chunks, device)
-        loss, grad_q, grad_k, grad_p = _feature_gradients(
-            model.loss, query, key, _loss_kwargs(engine, batch, device), model.loss_param_names, loss_params
-        )
-        zero_p = tuple(torch.zeros_like(g) for g in grad_p)
-        start = 0
-        for i, ch in enumerate(chunks):
-            n = len(ch)
-            set_rng_state(rng_states[i], device)
-            dev = move_batch(ch, device)
+        cache = _passes_1_and_2(engine, model, batch, chunks, device)
+        for i in range(len(chunks)):
             with torch.enable_grad():
-                surrogate, q, k = model(
-                    "surrogate", dev.query_inputs, dev.key_inputs, None,
-                    grad_q[start : start + n], grad_k[start * kpq : (start + n) * kpq],
-                    grad_p if i == len(chunks) - 1 else zero_p,
-                )
-                buffers.add(surrogate)
-            if verify_replay:
-                _check_replay(i, q, query[start : start + n], k, key[start * kpq : (start + n) * kpq])
-            del surrogate
-            start += n
+                buffers.add(cache.replay(model, chunks, i, device, verify_replay))
         # The step's one micro-step, at the accumulation boundary (DeepSpeed's documented manual
         # accumulation: set before the forward; it stays set, as every step of the run takes this
         # path). The parameters are still gathered, so each AccumulateGrad sees full shapes and
@@ -233,8 +235,8 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
         del given
         buffers.sums = []
     engine.step()
-    set_rng_state(rng_after, device)
-    return StepResult(float(loss), 1)
+    set_rng_state(cache.rng_after, device)
+    return StepResult(float(cache.loss), 1)
 
 
 def _check_replay(i, q, q_cached, k, k_cached) -> None:
