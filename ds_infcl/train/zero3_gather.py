@@ -85,6 +85,11 @@ def decide(setting, engine, device: torch.device, grad_cache: bool) -> Tuple[boo
 
             raise ConfigError("batch.gather_params: true is not supported with fp16; use bf16, or set it to \"auto\" or false")
         return False, "auto: fp16 keeps ZeRO-3's per-chunk path"
+    offload = getattr(engine, "zero_offload_param", lambda: None)()
+    if setting == "auto" and offload is not None and str(getattr(offload, "device", "")).endswith("nvme"):
+        # Parameters swapped from NVMe come through a few pinned buffers; gathering all of them at
+        # once is what the swapper is not built for.
+        return False, "auto: parameters offloaded to NVMe keep ZeRO-3's per-chunk path"
     need = gather_bytes(engine.module)
     if setting is True:
         return True, f"batch.gather_params is true ({need / 2**30:.2f} GiB per rank)"

@@ -49,6 +49,16 @@ def test_auto_true_false_and_fp16():
         zero3_gather.decide(True, _Engine(fp16=True), CPU, True)
 
 
+def test_auto_keeps_zero3s_path_for_nvme_parameter_offload():
+    engine = _Engine()
+    engine.zero_offload_param = lambda: type("Off", (), {"device": "nvme"})()
+    on, why = zero3_gather.decide("auto", engine, CPU, True)
+    assert not on and "NVMe" in why
+    assert zero3_gather.decide(True, engine, CPU, True)[0]  # forced: the user's call
+    engine.zero_offload_param = lambda: type("Off", (), {"device": "cpu"})()
+    assert zero3_gather.decide("auto", engine, CPU, True)[0]
+
+
 def test_a_zero3_engine_without_parameter_offload_is_an_error():
     with pytest.raises(RuntimeError, match="parameter_offload"):
         zero3_gather.decide("auto", _Engine(offload=False), CPU, True)
