@@ -27,6 +27,11 @@ class Rebatch:
     into pinned memory (the copy the trainer's pinning would make; it leaves pinned tensors as
     they are).
 
+    With ``defer_counts``, the counts are not applied as raw batches are read but attached to the
+    batch they lead to (key ``COUNTS``) and applied by ``count(batch)`` when the consumer takes it:
+    behind a prefetch thread, which reads ahead by a timing-dependent amount, the tally then
+    stays that of the batches handed out (the same as an inline ``Rebatch``'s after as many).
+
     Iterating yields dicts with the raw batches' per-sample fields (``idx``, ``label``, ``text``,
     the tokenizer's tensors) and ``image`` (``[batch_size, 3, S, S]``). A finite stream's last
     partial batch is counted as ``dropped_last_batch``.
@@ -34,7 +39,7 @@ class Rebatch:
 
     def __init__(self, raw_batches: Iterator[Dict[str, Any]], batch_size: int, tally, *,
                  decoder: Optional[Callable] = None, pin: bool = False,
-                 on_failure: Optional[Callable[[str], None]] = None):
+                 on_failure: Optional[Callable[[str], None]] = None, defer_counts: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.raw = raw_batches
@@ -43,8 +48,22 @@ class Rebatch:
         self.tally = tally
         self.pin = pin
         self.on_failure = on_failure
+        self.defer_counts = defer_counts
         self._pieces: List[Dict[str, Any]] = []
         self._held = 0
+
+    COUNTS = "tally_counts"
+
+    def _apply(self, records) -> None:
+        for kind, payload in records:
+            if kind == "update":
+                self.tally.update(payload)
+            else:
+                self.tally.add(*payload)
+
+    def count(self, batch: Dict[str, Any]) -> None:
+        """Apply the counts attached to ``batch`` (``defer_counts``; nothing otherwise)."""
+        self._apply(batch.get(self.COUNTS, ()))
 
     @staticmethod
     def _select(batch: Dict[str, Any], keep: Optional[torch.Tensor], n: int) -> Dict[str, Any]:
@@ -85,8 +104,16 @@ class Rebatch:
         return out
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
+        pending: List[Any] = []
+
+        def record(kind: str, payload) -> None:
+            if self.defer_counts:
+                pending.append((kind, payload))
+            else:
+                self._apply([(kind, payload)])
+
         for raw in self.raw:
-            self.tally.update(raw)
+            record("update", {"reader": raw["reader"], "bad_samples": raw["bad_samples"]})
             if self.decoder is None:
                 images, keep, failures = raw["image"], None, []
                 n = len(images)
@@ -95,7 +122,7 @@ class Rebatch:
                 n = len(ok)
                 keep = None if bool(ok.all()) else torch.nonzero(ok).flatten()
             if keep is not None:
-                self.tally.add("bad_image", n - len(keep))
+                record("add", ("bad_image", n - len(keep)))
                 for message in failures:
                     if self.on_failure is not None:
                         self.on_failure(message)
@@ -105,7 +132,11 @@ class Rebatch:
                 self._pieces.append(piece)
                 self._held += len(piece["image"])
             while self._held >= self.batch_size:
-                yield self._take(self.batch_size)
+                out = self._take(self.batch_size)
+                if self.defer_counts:
+                    out[self.COUNTS], pending = pending, []
+                yield out
+        self._apply(pending)  # the end of a finite stream: no batch left to carry them
         if self._held:
             self.tally.add("dropped_last_batch", self._held)
             self._pieces, self._held = [], 0

@@ -308,11 +308,13 @@ class ClipTask:
             device = self.decode_device() if gpu else torch.device("cpu")
             decoder = JpegBatchDecoder(transform.image_size, device, decode_batch=self.decode_batch) if gpu else None
             self._decoder = decoder
-            stream = iter(Rebatch(stream, local_batch_size, self.tally, decoder=decoder,
-                                  pin=not gpu and torch.cuda.is_available(), on_failure=_log_bad_image))
+            rebatcher = Rebatch(stream, local_batch_size, self.tally, decoder=decoder,
+                                pin=not gpu and torch.cuda.is_available(), on_failure=_log_bad_image,
+                                defer_counts=True)  # counted as the trainer takes each batch (prefetch reads ahead)
+            stream = iter(rebatcher)
             if self.prefetch_batches:
                 stream = prefetch = ThreadedPrefetch(stream, device, depth=self.prefetch_batches)
-            count = lambda batch: None  # noqa: E731 -- Rebatch keeps the tally itself
+            count = rebatcher.count
         else:
             count = self.tally.update
         try:
