@@ -115,10 +115,20 @@ def probe_chunks(
 def choose_chunk(per_rank: Sequence[Sequence[ChunkTiming]], tolerance: float = TOLERANCE) -> Optional[int]:
     """The chunk every rank takes (see the module docstring): among chunks that fit on all ranks,
     scored by the slowest rank's samples/s, the largest within ``tolerance`` of the best score;
-    ``None`` when no chunk fits everywhere."""
+    ``None`` when no chunk fits everywhere.
+
+    A rank that did not measure a chunk counts it as fitting when a larger chunk fit there (one
+    chunk's activations grow with the chunk): a rank with less free memory walks down from the
+    start chunk while the others walk up, and the ranks then share no fitting chunk they all
+    measured. Such a chunk is scored by the ranks that measured it."""
     by_rank = [{t.chunk: t for t in timings} for timings in per_rank]
-    common = set(by_rank[0]).intersection(*by_rank[1:]) if by_rank else set()
-    scores = {c: min(r[c].samples_per_s for r in by_rank) for c in common if all(r[c].fits for r in by_rank)}
+
+    def fits_on(r, c: int) -> bool:
+        return r[c].fits if c in r else any(t.fits and t.chunk > c for t in r.values())
+
+    measured = set().union(*by_rank) if by_rank else set()
+    scores = {c: min(r[c].samples_per_s for r in by_rank if c in r)
+              for c in measured if all(fits_on(r, c) for r in by_rank)}
     if not scores:
         return None
     best = max(scores.values())
