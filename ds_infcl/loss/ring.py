@@ -152,11 +152,27 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
     return dq, dk, dscale
 
 
+def refuse_double_backward(what: str) -> None:
+    """Raise in a distributed Function's backward when autograd records it (``create_graph=True``).
+
+    The backward's collectives and kernels build no graph (Triton's outputs have none at all), so
+    a second derivative would silently miss terms; every rank raises the same error before any
+    collective (``create_graph`` is the same on every rank), so none is left waiting.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} is differentiable once: backward(create_graph=True) or a second derivative "
+            "(e.g. a gradient penalty through the loss) is not supported; call backward without "
+            "create_graph"
+        )
+
+
 class RingLSEFunction(torch.autograd.Function):
     """``(row_lse [b], col_lse [m])`` over all ranks of ``group``, by the ring; see module doc.
 
     Saves ``query``, ``key``, ``labels`` and the two LSE vectors: O((b + m) * c) per rank.
-    ``col_lse`` is an empty tensor when ``compute_col`` is false.
+    ``col_lse`` is an empty tensor when ``compute_col`` is false. Differentiable once
+    (``refuse_double_backward``).
     """
 
     @staticmethod
@@ -179,6 +195,7 @@ class RingLSEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_row, grad_col):
+        refuse_double_backward("the distributed lse")
         query, key, labels, row, col, s = ctx.saved_tensors
         exclude_positive, compute_col, backend, tile_size, layout, group = ctx.options
         dq, dk, ds = _ring_backward(

@@ -30,6 +30,9 @@ positive logit.
   direction's backward adds the positive terms.
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
+
+Both are differentiable once: their backward's collectives and kernels build no graph, so a
+second derivative raises (``refuse_double_backward``) instead of silently missing terms.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ds_infcl.loss.ring import _ring_backward, _ring_forward
+from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 
@@ -102,6 +105,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("the distributed InfoNCE")
         query, key, labels, row, col, s, query_all, key_all = ctx.saved_tensors
         symmetric, backend, tile_size, layout, group = ctx.options
         b, m = query.shape[0], key.shape[0]
@@ -170,6 +174,7 @@ class RingInfoNCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("the distributed InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
         symmetric, backend, tile_size, layout, group = ctx.options
         b, m = query.shape[0], key.shape[0]

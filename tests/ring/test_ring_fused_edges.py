@@ -1,0 +1,160 @@
+"""Edge cases of the fused distributed InfoNCE (``ds_infcl.loss.ring_fused``) against the fp64
+reference on the gathered batch, on 3 gloo ranks, by both algorithms, both directions:
+duplicate labels (several queries share one positive key, some keys are nobody's positive), a
+rank that holds keys but no queries, a rank with neither, fp16/bf16 inputs, a one-element scale
+parameter, and a second backward through a retained graph (the gradients add up)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ds_infcl.ops.reference import contrastive_loss_reference
+from tests.ring.ring_harness import spawn
+
+pytestmark = pytest.mark.slow
+
+C, SCALE = 8, 6.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (loss, gradient) tolerances relative to the largest reference magnitude.
+TOL = {"fp32": (2e-6, 2e-5), "bf16": (1e-2, 2e-2), "fp16": (2e-3, 4e-3)}
+
+# Per rank: (query count, key count, labels as a list or None for the diagonal).
+LAYOUTS = {
+    # duplicates: queries 0, 1 and 4 of rank 0 share key 0; key 1 of rank 2 is nobody's positive
+    "duplicates": [(5, 3, [0, 0, 2, 1, 0]), (2, 4, [3, 3]), (3, 3, [0, 2, 2])],
+    # rank 1 holds keys but no queries (hard negatives of the others' queries)
+    "keys_only": [(3, 3, None), (0, 4, None), (4, 6, [5, 0, 0, 3])],
+    # rank 0 holds nothing at all
+    "empty_rank": [(0, 0, None), (4, 4, [1, 1, 0, 3]), (2, 2, None)],
+}
+
+
+def _cases():
+    cases = []
+    for layout in LAYOUTS:
+        for sym in (True, False):
+            for alg in ("gather", "ring"):
+                cases.append(dict(layout=layout, symmetric=sym, algorithm=alg, dtype="fp32"))
+    for dtype in ("bf16", "fp16"):
+        for alg in ("gather", "ring"):
+            cases.append(dict(layout="duplicates", symmetric=True, algorithm=alg, dtype=dtype))
+    return cases
+
+
+def _data(case, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = LAYOUTS[case["layout"]]
+    q = torch.nn.functional.normalize(torch.randn(sum(r[0] for r in rows), C, generator=g), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(sum(r[1] for r in rows), C, generator=g), dim=1)
+    dtype = DTYPES[case["dtype"]]
+    return q.to(dtype), k.to(dtype)
+
+
+def _local(case, seed, rank):
+    rows = LAYOUTS[case["layout"]]
+    q, k = _data(case, seed)
+    q0, k0 = sum(r[0] for r in rows[:rank]), sum(r[1] for r in rows[:rank])
+    b, m, lab = rows[rank]
+    labels = None if lab is None else torch.tensor(lab, dtype=torch.long)
+    return q[q0:q0 + b], k[k0:k0 + m], labels
+
+
+def _worker(rank, world, cases):
+    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.loss.ring import last_algorithm
+
+    out = []
+    for seed, case in enumerate(cases):
+        os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
+        q, k, labels = _local(case, seed, rank)
+        q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+        s = torch.nn.Parameter(torch.full((1,), SCALE))  # a one-element parameter, as a module's
+        loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
+                                backend="torch", tile_size=2)
+        loss.backward(retain_graph=True)
+        first = (q.grad.clone(), k.grad.clone(), s.grad.clone())
+        loss.backward()  # the retained graph again: every gradient doubles
+        assert last_algorithm() == case["algorithm"]
+        out.append(dict(loss=loss.item(), first=first, second=(q.grad, k.grad, s.grad)))
+    os.environ.pop("DS_INFCL_ALGORITHM", None)
+    return out
+
+
+def _reference(case, seed):
+    rows = LAYOUTS[case["layout"]]
+    q, k = _data(case, seed)
+    qd, kd = q.double().requires_grad_(True), k.double().requires_grad_(True)
+    sd = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+    glabels, k0 = [], 0
+    for b, m, lab in rows:
+        glabels.append((torch.arange(b) if lab is None else torch.tensor(lab, dtype=torch.long)) + k0)
+        k0 += m
+    loss = contrastive_loss_reference(qd, kd, sd, torch.cat(glabels), symmetric=case["symmetric"])
+    loss.backward()
+    return loss.item(), qd.grad, kd.grad, sd.grad.item()
+
+
+def _close(got, ref, rel, what):
+    got, ref = torch.as_tensor(got).double(), torch.as_tensor(ref).double()
+    scale = max(ref.abs().max().item(), 1e-3)
+    err = (got - ref).abs().max().item()
+    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:.1e} * {scale:.3g}"
+
+
+def test_fused_infonce_edge_cases_match_reference():
+    cases = _cases()
+    results = spawn(_worker, 3, cases, timeout=150)
+    world = 3
+    for seed, case in enumerate(cases):
+        loss, dq, dk, ds = _reference(case, seed)
+        loss_tol, grad_tol = TOL[case["dtype"]]
+        outs = [res[seed] for res in results]
+        for r, o in enumerate(outs):
+            _close(o["loss"], loss, loss_tol, f"loss, rank {r}, {case}")
+        for which, mult in (("first", 1), ("second", 2)):
+            # rank r holds W * dL/dF_r (DESIGN.md 3.1): the mean over ranks is the global gradient
+            got_dq = torch.cat([o[which][0].double() for o in outs]) / world / mult
+            got_dk = torch.cat([o[which][1].double() for o in outs]) / world / mult
+            got_ds = sum(o[which][2].double().sum().item() for o in outs) / world / mult
+            _close(got_dq, dq, grad_tol, f"dq ({which} backward), {case}")
+            _close(got_dk, dk, grad_tol, f"dk ({which} backward), {case}")
+            _close(got_ds, ds, max(1e-5, loss_tol), f"dscale ({which} backward), {case}")
+
+
+def _double_backward_worker(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss, lse
+
+    out = {}
+    for name in ("gather", "ring", "lse"):
+        os.environ["DS_INFCL_ALGORITHM"] = "ring" if name == "lse" else name
+        g = torch.Generator().manual_seed(rank)
+        q = torch.randn(3, C, generator=g).requires_grad_(True)
+        k = torch.randn(4, C, generator=g).requires_grad_(True)
+        if name == "lse":
+            row, col = lse(q, k, 3.0, backend="torch")
+            loss = row.sum() + col.sum()
+        else:
+            loss = contrastive_loss(q, k, 3.0, symmetric=True, impl="infcl", backend="torch")
+        try:
+            (gq,) = torch.autograd.grad(loss, q, create_graph=True)
+            gq.pow(2).sum().backward()  # a gradient penalty: needs the second derivative
+            out[name] = "no error"
+        except RuntimeError as err:
+            out[name] = str(err)
+    os.environ.pop("DS_INFCL_ALGORITHM", None)
+    return out
+
+
+def test_double_backward_raises_a_clear_error_on_every_rank():
+    """The distributed Functions are differentiable once: their backward runs collectives and
+    kernels that build no graph (Triton's would silently drop the second-order terms), so a
+    second derivative must fail plainly on every rank, before any collective, not with an
+    in-place error from deep in the torch backend's backward after a collective ran under
+    autograd (what it did)."""
+    results = spawn(_double_backward_worker, 2, None, timeout=90)
+    for rank, res in enumerate(results):
+        for name, msg in res.items():
+            assert "differentiable once" in msg and "create_graph" in msg, (rank, name, msg)
