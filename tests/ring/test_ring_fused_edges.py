@@ -2,7 +2,8 @@
 reference on the gathered batch, on 3 gloo ranks, by both algorithms, both directions:
 duplicate labels (several queries share one positive key, some keys are nobody's positive), a
 rank that holds keys but no queries, a rank with neither, fp16/bf16 inputs, a one-element scale
-parameter, and a second backward through a retained graph (the gradients add up)."""
+parameter, and a second backward through a retained graph (the gradients add up); a second
+derivative refused on every rank; a rank with queries but no keys stopping every rank."""
 
 from __future__ import annotations
 
@@ -158,3 +159,34 @@ def test_double_backward_raises_a_clear_error_on_every_rank():
     for rank, res in enumerate(results):
         for name, msg in res.items():
             assert "differentiable once" in msg and "create_graph" in msg, (rank, name, msg)
+
+
+def _no_keys_worker(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss
+
+    q = torch.randn(2, C)
+    k = torch.randn(0 if rank == 1 else 3, C)  # rank 1: queries but no keys for their positives
+    out = {}
+    for name, labels in (("diagonal", None), ("labels", torch.tensor([0, 1]))):
+        for alg in ("gather", "ring"):
+            os.environ["DS_INFCL_ALGORITHM"] = alg
+            try:
+                contrastive_loss(q, k, 3.0, labels, symmetric=True, impl="infcl", backend="torch")
+                out[(name, alg)] = None
+            except ValueError as err:
+                out[(name, alg)] = str(err)
+    os.environ.pop("DS_INFCL_ALGORITHM", None)
+    return out
+
+
+def test_rank_with_queries_but_no_keys_stops_every_rank():
+    """A query's positive lives on its rank: queries without local keys are a local input error,
+    raised on that rank and announced to the others (no hang), whichever algorithm is pinned."""
+    results = spawn(_no_keys_worker, 2, None, timeout=90)
+    for rank, res in enumerate(results):
+        for what, msg in res.items():
+            assert msg is not None, (rank, what)
+            if rank == 1:
+                assert "keys" in msg, (what, msg)
+            else:
+                assert "rejected their local inputs" in msg, (what, msg)
