@@ -3,7 +3,8 @@ reference on the gathered batch, on 3 gloo ranks, by both algorithms, both direc
 duplicate labels (several queries share one positive key, some keys are nobody's positive), a
 rank that holds keys but no queries, a rank with neither, fp16/bf16 inputs, a one-element scale
 parameter, and a second backward through a retained graph (the gradients add up); a second
-derivative refused on every rank; a rank with queries but no keys stopping every rank."""
+derivative refused on every rank; a rank with queries but no keys stopping every rank; a NaN key
+on a keys-only rank (check_finite on and off)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,36 @@ def test_rank_with_queries_but_no_keys_stops_every_rank():
                 assert "keys" in msg, (what, msg)
             else:
                 assert "rejected their local inputs" in msg, (what, msg)
+
+
+def _nan_key_worker(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss
+
+    out = {}
+    for alg in ("gather", "ring"):
+        os.environ["DS_INFCL_ALGORITHM"] = alg
+        q = torch.randn(0 if rank == 1 else 3, C)  # rank 1 holds keys only, one of them NaN
+        k = torch.randn(4 if rank == 1 else 3, C)
+        if rank == 1:
+            k[2, 0] = float("nan")
+        try:
+            contrastive_loss(q, k, 3.0, symmetric=True, impl="infcl", backend="torch")
+            out[(alg, True)] = None
+        except ValueError as err:
+            out[(alg, True)] = str(err)
+        loss = contrastive_loss(q, k, 3.0, symmetric=True, impl="infcl", backend="torch", check_finite=False)
+        out[(alg, False)] = loss.item()
+    os.environ.pop("DS_INFCL_ALGORITHM", None)
+    return out
+
+
+def test_nan_key_on_a_rank_without_queries():
+    """check_finite on a keys-only rank: a NaN key is refused on every rank; without the check the
+    NaN reaches every rank's loss (it is a negative of every query), and nothing hangs."""
+    results = spawn(_nan_key_worker, 2, None, timeout=90)
+    for rank, res in enumerate(results):
+        for alg in ("gather", "ring"):
+            msg = res[(alg, True)]
+            assert msg is not None, (rank, alg)
+            assert ("finite" in msg.lower() or "nan" in msg.lower()) if rank == 1 else "rejected" in msg, msg
+            assert res[(alg, False)] != res[(alg, False)], (rank, alg, res[(alg, False)])  # NaN
