@@ -18,7 +18,8 @@ free memory when the probe starts). The estimate is the cached features of the w
 (in the run's dtype, plus three float32 copies: the loss's inputs, their gradients, the cached
 gradients), the optimizer's float32 master weights, gradients and Adam moments (16 bytes a
 parameter with bf16/fp16, 8 in float32; divided by the world size under ZeRO 1-2) and ZeRO 1-2's
-reduce bucket.
+reduce bucket; with ZeRO-3's step gathering the parameters once (``batch.gather_params``), its
+float32 gradient buffers (4 bytes a trainable parameter).
 
 Choice: every rank probes its own device, the timings are all-gathered, and every rank takes the
 same chunk: among the chunks that fit on every rank, the largest whose slowest rank runs within
@@ -42,7 +43,7 @@ import torch
 from ds_infcl.errors import ConfigError
 
 __all__ = ["ChunkTiming", "candidate_chunks", "probe_chunks", "choose_chunk", "run_dtype", "engine_extra_bytes",
-           "resolve_auto_chunk", "MAX_CHUNK", "START_CHUNK", "TOLERANCE"]
+           "gathers_params", "resolve_auto_chunk", "MAX_CHUNK", "START_CHUNK", "TOLERANCE"]
 
 MAX_CHUNK = 2048
 START_CHUNK = 64
@@ -143,9 +144,32 @@ def run_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
+def gathers_params(cfg, ds_config: Dict[str, Any], model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the run's GradCache step will gather the parameters once per step
+    (``ds_infcl.train.zero3_gather.decide``, taken from the configs and the probe's whole model
+    before the engine exists)."""
+    from ds_infcl.train.zero3_gather import MEMORY_FRACTION, gather_bytes
+
+    zero = ds_config.get("zero_optimization") or {}
+    setting = cfg.batch.gather_params
+    if int(zero.get("stage", 0)) < 3 or not cfg.batch.grad_cache or setting is False:
+        return False
+    if (ds_config.get("fp16") or {}).get("enabled") is True:
+        return False  # auto keeps ZeRO-3's path; true is refused by the config check
+    if setting == "auto":
+        if str((zero.get("offload_param") or {}).get("device", "")).endswith("nvme"):
+            return False
+        if device.type == "cuda":
+            return gather_bytes(model) <= MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    return True
+
+
 def engine_extra_bytes(num_params: int, local_batch: int, rows_per_example: int, feature_dim: int,
-                       dtype: torch.dtype, ds_config: Dict[str, Any], world_size: int) -> int:
-    """What the engine holds beyond the probe's towers, gradients and one chunk (module docstring)."""
+                       dtype: torch.dtype, ds_config: Dict[str, Any], world_size: int,
+                       gather_params: bool = False) -> int:
+    """What the engine holds beyond the probe's towers, gradients and one chunk (module docstring);
+    with ``gather_params`` (ZeRO-3's step with the parameters gathered once) also its float32
+    gradient buffers, 4 bytes a trainable parameter."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     features = local_batch * rows_per_example * feature_dim * (itemsize + 12)
     zero = ds_config.get("zero_optimization") or {}
@@ -153,7 +177,8 @@ def engine_extra_bytes(num_params: int, local_batch: int, rows_per_example: int,
     shards = world_size if stage >= 1 else 1
     optimizer = num_params * (16 if dtype != torch.float32 else 8) // shards
     bucket = int(float(zero.get("reduce_bucket_size", 5e8))) * itemsize if stage in (1, 2) else 0
-    return features + optimizer + bucket
+    buffers = 4 * num_params if gather_params and stage >= 3 else 0
+    return features + optimizer + bucket + buffers
 
 
 def _gather(obj) -> list:
@@ -259,7 +284,8 @@ def resolve_auto_chunk(cfg, ds_config: Dict[str, Any], world_size: int, rank: in
 
         one = move_batch(one, device)
         feature_dim = int(model("encode_query", one.query_inputs).shape[-1])
-    extra = engine_extra_bytes(num_params, local, rows, feature_dim, dtype, ds_config, world_size)
+    extra = engine_extra_bytes(num_params, local, rows, feature_dim, dtype, ds_config, world_size,
+                               gather_params=gathers_params(cfg, ds_config, model, device))
 
     def fits(t: ChunkTiming) -> bool:
         return budget is None or (t.peak_bytes or 0) + extra <= budget
