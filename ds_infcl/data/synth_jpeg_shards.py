@@ -144,7 +144,9 @@ def write_synth_jpeg_shards(out_dir: str, *, num_samples: int, samples_per_shard
     each. Returns ``{"sizes": {name: n}, "num_samples", "bytes", "seconds"}``.
 
     Raises:
-        ValueError: a count or size below 1, or a quality outside 1..100.
+        ValueError: a count or size below 1, a quality outside 1..100, or ``out_dir`` holding
+            ``.tar`` files this call would not rewrite (an earlier, larger run's shards: a folder
+            is read as every ``.tar`` in it).
     """
     for name, value in (("num_samples", num_samples), ("samples_per_shard", samples_per_shard),
                         ("image_size", image_size), ("processes", processes)):
@@ -156,6 +158,14 @@ def write_synth_jpeg_shards(out_dir: str, *, num_samples: int, samples_per_shard
     jobs = [(os.path.join(out_dir, f"{shard:05d}.tar"), start, min(start + samples_per_shard, num_samples),
              image_size, seed, quality)
             for shard, start in enumerate(range(0, num_samples, samples_per_shard))]
+    names = {os.path.basename(job[0]) for job in jobs}
+    stale = sorted(n for n in os.listdir(out_dir) if n.endswith(".tar") and n not in names)
+    if stale:
+        raise ValueError(
+            f"{out_dir} already holds shards this run would not rewrite ({', '.join(stale[:5])}"
+            f"{', ...' if len(stale) > 5 else ''}): they would be read with the new ones; remove them or "
+            "write to an empty folder"
+        )
     t0 = time.time()
     if processes > 1 and len(jobs) > 1:
         with Pool(min(processes, len(jobs))) as pool:
