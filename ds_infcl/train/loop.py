@@ -245,69 +245,77 @@ def train(
     flops_per_sample: Optional[float] = None
     peak = peak_tflops(device, cfg.logging.peak_tflops)
     beat = watchdog.beat if watchdog is not None else (lambda: None)
-    while step < cfg.train.num_steps:
-        lrs = engine.get_lr()
-        lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
-        batch = _place(as_batch(next(data)), cfg, device)
-        if flops_per_sample is None and step == start_step:
-            known = getattr(task, "model_flops_per_sample", None)  # a task that knows its FLOPs says so
-            flops_per_sample = float(known()) if callable(known) else _model_flops_per_sample(engine, batch, device, rank)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.time()
-        try:
-            if cfg.batch.grad_cache:
-                result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device,
-                                         verify_replay=cfg.batch.verify_replay, gather_params=gather)
-            else:
-                result = uncached_step(engine, batch, device)
-        except ValueError as e:  # the loss's input checks (NaN/Inf features, ...): say which step
-            raise ValueError(f"step {step + 1}: {e}") from e
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.time() - t0
-        step += 1
-        samples += layout.global_batch_size
-        if step > start_step + 1 or step == cfg.train.num_steps:  # the first step includes warm-up
-            train_time += dt
-            timed_samples += layout.global_batch_size
-        beat()
-        losses.append(result.loss)
-        if not math.isfinite(result.loss):
-            raise FloatingPointError(f"step {step}: loss is {result.loss}; stopping (lower the learning rate, check fp16 scaling)")
-
-        if step % cfg.logging.every_steps == 0 or step == cfg.train.num_steps:
-            ls = _logit_scale(engine)
-            tflops = _tflops_per_gpu(flops_per_sample, layout.global_batch_size / dt, world)
-            logger.log_train({
-                "step": step, "loss": result.loss, "logit_scale": ls,
-                "scale": _scale_of(engine, ls),
-                "lr": lr_applied,
-                "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
-                "peak_mem_mib": peak_memory_mib(device), "samples": samples,
-                "model_tflops_per_gpu": tflops, "mfu": None if tflops is None or not peak else tflops / peak,
-            })
-        logger.advance()
-
-        is_last = step == cfg.train.num_steps
-        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end):
-            engine.eval()
-            eval_metrics = task.evaluate(encoder, step) if hasattr(task, "evaluate") else {}
-            engine.train()
+    try:
+        while step < cfg.train.num_steps:
+            lrs = engine.get_lr()
+            lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
+            batch = _place(as_batch(next(data)), cfg, device)
+            if flops_per_sample is None and step == start_step:
+                known = getattr(task, "model_flops_per_sample", None)  # a task that knows its FLOPs says so
+                flops_per_sample = float(known()) if callable(known) else _model_flops_per_sample(engine, batch, device, rank)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.time()
+            try:
+                if cfg.batch.grad_cache:
+                    result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device,
+                                             verify_replay=cfg.batch.verify_replay, gather_params=gather)
+                else:
+                    result = uncached_step(engine, batch, device)
+            except ValueError as e:  # the loss's input checks (NaN/Inf features, ...): say which step
+                raise ValueError(f"step {step + 1}: {e}") from e
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.time() - t0
+            step += 1
+            samples += layout.global_batch_size
+            if step > start_step + 1 or step == cfg.train.num_steps:  # the first step includes warm-up
+                train_time += dt
+                timed_samples += layout.global_batch_size
             beat()
-            logger.log_eval(step, eval_metrics)
+            losses.append(result.loss)
+            if not math.isfinite(result.loss):
+                raise FloatingPointError(f"step {step}: loss is {result.loss}; stopping (lower the learning rate, check fp16 scaling)")
 
-        if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
-            run_state = {
-                "step": step, "samples": samples,
-                "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
-                "world_size": world, "global_batch_size": layout.global_batch_size, "run_config": cfg.to_dict(),
-                "scheduler": ds_cfg.get("scheduler"),
-            }
-            tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
-            beat()
-            if not cfg.logging.progress_bar:
-                _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
+            if step % cfg.logging.every_steps == 0 or step == cfg.train.num_steps:
+                ls = _logit_scale(engine)
+                tflops = _tflops_per_gpu(flops_per_sample, layout.global_batch_size / dt, world)
+                logger.log_train({
+                    "step": step, "loss": result.loss, "logit_scale": ls,
+                    "scale": _scale_of(engine, ls),
+                    "lr": lr_applied,
+                    "samples_per_s": layout.global_batch_size / dt, "step_time_s": dt,
+                    "peak_mem_mib": peak_memory_mib(device), "samples": samples,
+                    "model_tflops_per_gpu": tflops, "mfu": None if tflops is None or not peak else tflops / peak,
+                })
+            logger.advance()
+
+            is_last = step == cfg.train.num_steps
+            if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end):
+                engine.eval()
+                eval_metrics = task.evaluate(encoder, step) if hasattr(task, "evaluate") else {}
+                engine.train()
+                beat()
+                logger.log_eval(step, eval_metrics)
+
+            if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
+                run_state = {
+                    "step": step, "samples": samples,
+                    "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
+                    "world_size": world, "global_batch_size": layout.global_batch_size, "run_config": cfg.to_dict(),
+                    "scheduler": ds_cfg.get("scheduler"),
+                }
+                tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
+                beat()
+                if not cfg.logging.progress_bar:
+                    _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
+    except BaseException:
+        # Stop the task's loader (worker processes, a prefetch or device-decode thread) now, not
+        # when the traceback is released: a caller that catches the error keeps it alive.
+        close = getattr(data, "close", None)
+        if callable(close):
+            close()
+        raise
 
     logger.close()
     data_counts = _data_report(task)

@@ -27,3 +27,16 @@ class _NanAfterFirst(nn.Module):
 class NanTask(SyntheticTask):
     def build_towers(self):
         return _NanAfterFirst(super().build_towers())
+
+
+class ClosingNanTask(NanTask):
+    """NanTask whose batch stream records whether it was closed (a loader's workers and threads
+    stop in such a ``finally``), for the test that a failed step stops the loader at once."""
+
+    closed = False
+
+    def batches(self, **kwargs):
+        try:
+            yield from super().batches(**kwargs)
+        finally:
+            ClosingNanTask.closed = True
