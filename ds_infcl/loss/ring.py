@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 import torch
 
 from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
+from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -150,21 +151,6 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
         dk = torch.empty((m, c), device=key.device, dtype=_F32)
         wait_all(post_ring_shift([dk_acc], [dk], layout, group))
     return dq, dk, dscale
-
-
-def refuse_double_backward(what: str) -> None:
-    """Raise in a distributed Function's backward when autograd records it (``create_graph=True``).
-
-    The backward's collectives and kernels build no graph (Triton's outputs have none at all), so
-    a second derivative would silently miss terms; every rank raises the same error before any
-    collective (``create_graph`` is the same on every rank), so none is left waiting.
-    """
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{what} is differentiable once: backward(create_graph=True) or a second derivative "
-            "(e.g. a gradient penalty through the loss) is not supported; call backward without "
-            "create_graph"
-        )
 
 
 class RingLSEFunction(torch.autograd.Function):

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, resolve_backend
+from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce"]
 
@@ -47,6 +47,7 @@ class InfoNCEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("the fused InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
         symmetric, backend, tile_size = ctx.options
         b, m = query.shape[0], key.shape[0]

@@ -195,6 +195,22 @@ def compose_infonce(
     return loss
 
 
+def refuse_double_backward(what: str) -> None:
+    """Raise in a fused Function's backward when autograd records it (``create_graph=True``).
+
+    The backward's kernels (and, distributed, its collectives) build no graph (Triton's outputs
+    have none at all), so a second derivative would silently miss terms. Distributed, every rank
+    raises the same error before any collective (``create_graph`` is the same on every rank), so
+    none is left waiting.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} is differentiable once: backward(create_graph=True) or a second derivative "
+            "(e.g. a gradient penalty through the loss) is not supported; call backward without "
+            "create_graph"
+        )
+
+
 class TiledLSEFunction(torch.autograd.Function):
     """``(row_lse, col_lse) = f(query, key, scale)`` with tile recomputation in backward.
 
@@ -221,6 +237,7 @@ class TiledLSEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_row, grad_col):
+        refuse_double_backward("the fused lse")
         query, key, labels, row, col, s = ctx.saved_tensors
         exclude_positive, compute_col, backend, tile_size = ctx.options
         if not compute_col:
