@@ -41,6 +41,7 @@ logits and the composition of the shares cost the host no autograd nodes of thei
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Optional, Tuple
 
 import torch
@@ -262,6 +263,14 @@ def choose_algorithm(layout: RingLayout, dim: int, element_size: int, symmetric:
     return "ring"
 
 
+def algorithm_settings() -> int:
+    """A fingerprint of this process's algorithm settings (``DS_INFCL_ALGORITHM`` and the gather
+    thresholds), exchanged with the layout so that ranks launched with different values stop with
+    an error naming them instead of running different collectives (a hang on NCCL)."""
+    text = f"{os.environ.get('DS_INFCL_ALGORITHM', 'auto')}|{GATHER_MAX_LOCAL}|{GATHER_MAX_BYTES}"
+    return zlib.crc32(text.encode())
+
+
 def last_algorithm() -> Optional[str]:
     """The algorithm the last ``ring_infonce`` call on this process used (``"ring"``/``"gather"``)."""
     return _LAST["algorithm"]
@@ -289,7 +298,7 @@ def ring_infonce(
     backend = _resolve_backend(backend, query.device, group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=False, compute_col=symmetric),
+        flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
     )
     if labels is not None:
         labels = labels.to(device=query.device, dtype=torch.long)

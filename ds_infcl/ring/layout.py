@@ -41,7 +41,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
-_NUM_FIELDS = 8  # b, m, c, dtype, device type, protocol, flags, reserved
+_NUM_FIELDS = 8  # b, m, c, dtype, device type, protocol, flags, settings
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,9 @@ def _check_table(table, protocol: str) -> None:
             f"{protocol}: rank(s) {failed} of the process group rejected their local inputs "
             "(their own error says why); the loss stops on every rank"
         )
-    fields = ("feature dim", "dtype", "device type", "loss path", "flags")
-    for pos, name in zip(range(2, 7), fields):
+    fields = ("feature dim", "dtype", "device type", "loss path", "flags",
+              "algorithm settings (the DS_INFCL_ALGORITHM / DS_INFCL_GATHER_MAX_* environment variables)")
+    for pos, name in zip(range(2, 8), fields):
         if len({row[pos] for row in table}) > 1:
             listing = "; ".join(_describe_row(i, row) for i, row in enumerate(table))
             raise ValueError(
@@ -170,11 +171,15 @@ def exchange_layout(
     *,
     protocol: str = "ring_lse",
     flags: int = 0,
+    settings: int = 0,
 ) -> RingLayout:
     """Gather every rank's sizes and metadata, check that they agree, return the layout.
 
     Collective over ``group`` (no communication with one rank). ``flags`` is a small integer of
-    options all ranks must share (e.g. ``compute_col``). Raises ``ValueError`` on every rank, with
+    options all ranks must share (e.g. ``compute_col``); ``settings`` a fingerprint of process
+    settings that steer the algorithm and must agree too (``ds_infcl.loss.ring``: its
+    ``DS_INFCL_*`` environment variables; ranks that chose different algorithms would wait on each
+    other's collectives). Raises ``ValueError`` on every rank, with
     a per-rank listing, when feature dims, dtypes, device types, protocols or flags differ or the
     global batch is empty.
     """
@@ -183,7 +188,7 @@ def exchange_layout(
     b, m, c = query.shape[0], key.shape[0], query.shape[1]
     mine = [
         b, m, c, _DTYPE_CODES.get(query.dtype, 99), _DEVICE_CODES.get(query.device.type, 99),
-        PROTOCOLS[protocol], int(flags), 0,
+        PROTOCOLS[protocol], int(flags), int(settings),
     ]
     if world == 1:
         table = [mine]

@@ -224,3 +224,27 @@ def test_nan_key_on_a_rank_without_queries():
             assert msg is not None, (rank, alg)
             assert ("finite" in msg.lower() or "nan" in msg.lower()) if rank == 1 else "rejected" in msg, msg
             assert res[(alg, False)] != res[(alg, False)], (rank, alg, res[(alg, False)])  # NaN
+
+
+def _settings_worker(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss
+
+    # Rank 1 was launched with another algorithm pinned: every rank must stop with the same error,
+    # before either algorithm's collectives start (on NCCL they would wait on each other forever).
+    if rank == 1:
+        os.environ["DS_INFCL_ALGORITHM"] = "ring"
+    else:
+        os.environ.pop("DS_INFCL_ALGORITHM", None)
+    q = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
+    try:
+        contrastive_loss(q, k, torch.tensor(SCALE), symmetric=True, impl="infcl", backend="torch")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_with_different_algorithm_settings_stop_with_one_error():
+    results = spawn(_settings_worker, 2, None, timeout=90)
+    for rank, msg in enumerate(results):
+        assert "disagree on the algorithm settings" in msg and "DS_INFCL_ALGORITHM" in msg, (rank, msg)
