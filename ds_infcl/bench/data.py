@@ -2,7 +2,7 @@
 (PIL decode + random-resized crop + resize, per core and through the real loader's workers) and
 on the GPU (batched nvjpeg ``decode_jpeg`` + crop/resize on the device).
 
-    python -m ds_infcl.bench.data --shards /tmp/jpeg256 --workers 1 8 16 --out runs/bench_data
+    python -m ds_infcl.bench.data --shards data/jpeg256 --workers 1 8 16 --out runs/bench_data
 
 Rows (each after a warm-up batch that is not timed):
 

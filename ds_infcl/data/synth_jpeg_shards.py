@@ -21,7 +21,7 @@ as the sample index. Point the clip task at the folder (``data_dir``) or a brace
 
 Command line (one process per shard; ~15 ms per 256 px sample per process on an H100 host's cores)::
 
-    python -m ds_infcl.data.synth_jpeg_shards --out /tmp/jpeg256 --num-samples 200000 \\
+    python -m ds_infcl.data.synth_jpeg_shards --out data/jpeg256 --num-samples 200000 \\
         --samples-per-shard 5000 --image-size 256 --processes 16
 """
 
