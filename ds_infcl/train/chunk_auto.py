@@ -146,22 +146,15 @@ def run_dtype(ds_config: Dict[str, Any]) -> torch.dtype:
 
 def gathers_params(cfg, ds_config: Dict[str, Any], model: torch.nn.Module, device: torch.device) -> bool:
     """Whether the run's GradCache step will gather the parameters once per step
-    (``ds_infcl.train.zero3_gather.decide``, taken from the configs and the probe's whole model
-    before the engine exists)."""
-    from ds_infcl.train.zero3_gather import MEMORY_FRACTION, gather_bytes
+    (``ds_infcl.train.zero3_gather.rule``, from the configs and the probe's whole model before the
+    engine exists)."""
+    from ds_infcl.train.zero3_gather import rule
 
     zero = ds_config.get("zero_optimization") or {}
-    setting = cfg.batch.gather_params
-    if int(zero.get("stage", 0)) < 3 or not cfg.batch.grad_cache or setting is False:
-        return False
-    if (ds_config.get("fp16") or {}).get("enabled") is True:
-        return False  # auto keeps ZeRO-3's path; true is refused by the config check
-    if setting == "auto":
-        if str((zero.get("offload_param") or {}).get("device", "")).endswith("nvme"):
-            return False
-        if device.type == "cuda":
-            return gather_bytes(model) <= MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
-    return True
+    return rule(cfg.batch.gather_params, grad_cache=cfg.batch.grad_cache, stage=int(zero.get("stage", 0)),
+                fp16=(ds_config.get("fp16") or {}).get("enabled") is True,
+                nvme_params=str((zero.get("offload_param") or {}).get("device", "")).endswith("nvme"),
+                model=model, device=device)[0]
 
 
 def engine_extra_bytes(num_params: int, local_batch: int, rows_per_example: int, feature_dim: int,

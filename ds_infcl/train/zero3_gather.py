@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["decide", "module_hooks_off", "GradientBuffers", "MEMORY_FRACTION"]
+__all__ = ["decide", "rule", "module_hooks_off", "GradientBuffers", "MEMORY_FRACTION"]
 
 MEMORY_FRACTION = 0.25  # "auto": gathered parameters + float32 buffers within this share of the device
 _HOOK_DICTS = (
@@ -63,21 +63,35 @@ def gather_bytes(model: nn.Module) -> int:
 
 
 def decide(setting, engine, device: torch.device, grad_cache: bool) -> Tuple[bool, str]:
-    """Whether the GradCache step gathers the parameters once per step, and why (for the log).
+    """Whether the GradCache step gathers the parameters once per step, and why (for the log):
+    ``rule`` applied to the engine.
 
-    ``setting``: ``batch.gather_params`` (``"auto"``, ``True``, ``False``). Only ZeRO stage 3 with
-    GradCache has anything to gather; stages 0-2 keep their parameters whole already.
-    ``"auto"`` gathers when ``gather_bytes`` fits ``MEMORY_FRACTION`` of the device's memory
-    (always on CPU, where ZeRO-3 only runs for tests).
+    ``setting``: ``batch.gather_params`` (``"auto"``, ``True``, ``False``).
     """
     stage = int(engine.zero_optimization_stage())
+    if grad_cache and stage >= 3 and _offload(engine) is None:
+        raise RuntimeError("batch.gather_params: the ZeRO-3 engine has no parameter_offload (DeepSpeed API changed?)")
+    offload = getattr(engine, "zero_offload_param", lambda: None)()
+    return rule(setting, grad_cache=grad_cache, stage=stage, fp16=bool(engine.fp16_enabled()),
+                nvme_params=offload is not None and str(getattr(offload, "device", "")).endswith("nvme"),
+                model=engine.module, device=device)
+
+
+def rule(setting, *, grad_cache: bool, stage: int, fp16: bool, nvme_params: bool, model: nn.Module,
+         device: torch.device) -> Tuple[bool, str]:
+    """The decision behind ``batch.gather_params``, from the run's settings (the engine's, or the
+    configs' before the engine exists: ``ds_infcl.train.chunk_auto`` budgets for the buffers).
+
+    Only ZeRO stage 3 with GradCache has anything to gather; stages 0-2 keep their parameters whole
+    already. ``"auto"`` gathers when ``gather_bytes(model)`` fits ``MEMORY_FRACTION`` of the
+    device's memory (always on CPU, where ZeRO-3 only runs for tests), not with fp16 and not with
+    parameters offloaded to NVMe. Raises ``ConfigError`` for ``True`` with fp16.
+    """
     if not grad_cache or stage < 3:
         return False, "not ZeRO stage 3 with GradCache"
-    if _offload(engine) is None:
-        raise RuntimeError("batch.gather_params: the ZeRO-3 engine has no parameter_offload (DeepSpeed API changed?)")
     if setting is False:
         return False, "batch.gather_params is false"
-    if engine.fp16_enabled():
+    if fp16:
         # The chunks' gradients would be computed outside DeepSpeed's loss scaling (fp16 cannot be
         # run on CPU, so this path is not verified there): keep ZeRO-3's own path.
         if setting is True:
@@ -85,12 +99,11 @@ def decide(setting, engine, device: torch.device, grad_cache: bool) -> Tuple[boo
 
             raise ConfigError("batch.gather_params: true is not supported with fp16; use bf16, or set it to \"auto\" or false")
         return False, "auto: fp16 keeps ZeRO-3's per-chunk path"
-    offload = getattr(engine, "zero_offload_param", lambda: None)()
-    if setting == "auto" and offload is not None and str(getattr(offload, "device", "")).endswith("nvme"):
+    if setting == "auto" and nvme_params:
         # Parameters swapped from NVMe come through a few pinned buffers; gathering all of them at
         # once is what the swapper is not built for.
         return False, "auto: parameters offloaded to NVMe keep ZeRO-3's per-chunk path"
-    need = gather_bytes(engine.module)
+    need = gather_bytes(model)
     if setting is True:
         return True, f"batch.gather_params is true ({need / 2**30:.2f} GiB per rank)"
     if device.type != "cuda":
