@@ -213,33 +213,6 @@ def _dtype_name(dtype):
     return {v: k for k, v in DTYPES.items()}[dtype]
 
 
-def _plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot written ({path}); the CSV has every number.")
-        return
-    totals = [r for r in rows if r["mode"] == "total" and r.get("median_ms") not in ("", None)]
-    dims = sorted({r["c"] for r in totals})
-    fig, axes = plt.subplots(1, max(1, len(dims)), figsize=(4.5 * max(1, len(dims)), 4), squeeze=False)
-    for ax, c in zip(axes[0], dims):
-        for key in sorted({(r["provider"], r["dtype"]) for r in totals if r["c"] == c}):
-            pts = sorted((r["b"], r["pct_matmul"]) for r in totals if r["c"] == c and (r["provider"], r["dtype"]) == key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
-        ax.axhline(50, color="grey", ls="--", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"symmetric loss fwd+bwd, c = {c}")
-        ax.set_xlabel("batch b (= m)")
-        ax.set_ylabel("% of bf16 matmul rate (8bmc FLOPs)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written: {path}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
@@ -302,7 +275,9 @@ def main(argv=None) -> int:
             w.writerows(rows)
         print(f"csv written: {path}")
         if not args.no_png:
-            _plot(rows, os.path.join(args.out, f"loss_{tag}.png"))
+            from ds_infcl.bench.plots import loss_plot
+
+            loss_plot(rows, os.path.join(args.out, f"loss_{tag}.png"))
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 __all__ = ["loss_plot", "ring_plot", "main"]
 
@@ -54,14 +54,19 @@ def _finish(fig, plt, png: str) -> str:
     return png
 
 
-def loss_plot(csv_path: str, png: Optional[str] = None) -> Optional[str]:
-    """Time (log) and % of the matmul rate against ``b`` for ``bench.loss``'s CSV."""
+def loss_plot(source: Union[str, List[Dict]], png: Optional[str] = None) -> Optional[str]:
+    """Time (log) and % of the matmul rate against ``b`` for ``bench.loss``'s CSV (a path), or its
+    rows as the benchmark made them (then ``png`` is required)."""
     plt = _pyplot()
-    png = png or os.path.splitext(csv_path)[0] + ".png"
+    if png is None:
+        if not isinstance(source, str):
+            raise ValueError("loss_plot: give png when plotting rows")
+        png = os.path.splitext(source)[0] + ".png"
     if plt is None:
-        print(f"matplotlib is not installed: no plot written ({png})")
+        print(f"matplotlib is not installed: no plot written ({png}); the CSV has every number.")
         return None
-    rows = [r for r in _read(csv_path) if r["mode"] in ("total", "graph") and _num(r["median_ms"]) is not None]
+    rows = _read(source) if isinstance(source, str) else source
+    rows = [r for r in rows if r["mode"] in ("total", "graph") and _num(r["median_ms"]) is not None]
     dims = sorted({int(r["c"]) for r in rows})
     fig, axes = plt.subplots(2, max(1, len(dims)), figsize=(4.6 * max(1, len(dims)), 7), squeeze=False)
     for j, c in enumerate(dims):

@@ -37,6 +37,22 @@ def test_plot_or_a_clear_line_without_matplotlib(kind, csv_path, tmp_path, capsy
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_loss_plot_takes_the_benchmarks_rows(tmp_path):
+    # bench.loss plots the rows of its own run (its CSV may hold earlier runs' rows too)
+    import csv
+
+    with open(LOSS, newline="") as f:
+        rows = list(csv.DictReader(f))
+    with pytest.raises(ValueError, match="give png"):
+        plots.loss_plot(rows)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    png = tmp_path / "rows.png"
+    assert plots.loss_plot(rows, str(png)) == str(png) and png.stat().st_size > 0
+
+
 def test_missing_csv_is_an_argument_error(tmp_path):
     with pytest.raises(SystemExit):
         plots.main(["ring", str(tmp_path / "none.csv")])
