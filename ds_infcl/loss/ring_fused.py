@@ -108,7 +108,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         refuse_double_backward("the distributed InfoNCE")
         query, key, labels, row, col, s, query_all, key_all = ctx.saved_tensors
         symmetric, backend, tile_size, layout, group = ctx.options
-        b, m = query.shape[0], key.shape[0]
+        b = query.shape[0]
         # Every rank runs the same collectives in the same order (keys, then queries); each
         # gathered gradient is reduce-scattered as soon as it is complete, so that at most one of
         # them is alive at a time.
