@@ -84,6 +84,8 @@ def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
     status ``ok``, ``failed``, ``oom``, ``timeout`` or ``exit_codes[rc]``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    if "--include" in cmd:  # _gpu_selection: the launcher sees every GPU and picks the named ones
+        env.pop("CUDA_VISIBLE_DEVICES", None)
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -99,6 +101,21 @@ def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
     if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
         status = "oom"
     return status, wall, text
+
+
+def _gpu_selection(num_gpus: int) -> List[str]:
+    """The launcher's GPU arguments. The ``deepspeed`` launcher ignores ``CUDA_VISIBLE_DEVICES``
+    once ``--num_gpus`` is given (it would run on GPUs 0..N-1), so a set ``CUDA_VISIBLE_DEVICES``
+    becomes ``--include localhost:<ids>`` (and is taken out of the launcher's environment by
+    ``_launch``): two benchmarks can run side by side on GPUs 0 and 1 of one host."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return ["--num_gpus", str(num_gpus)]
+    ids = [i.strip() for i in visible.split(",") if i.strip()]
+    if len(ids) != num_gpus or not all(i.isdigit() for i in ids):
+        raise SystemExit(f"CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)} GPU(s) but --num-gpus is {num_gpus}: "
+                         "name exactly --num-gpus GPU indices (digits), or unset CUDA_VISIBLE_DEVICES")
+    return ["--include", "localhost:" + ",".join(ids)]
 
 
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
@@ -122,7 +139,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(run, f, indent=2)
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
+    cmd = [launcher, *_gpu_selection(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
            "--deepspeed_config", args.deepspeed_config, "--config", os.path.join(out, "run.json"),
            "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
            # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine

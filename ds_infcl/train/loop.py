@@ -21,7 +21,7 @@ from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
-from ds_infcl.train.model import ContrastiveModel, compile_towers
+from ds_infcl.train.model import ContrastiveModel, compile_towers, eager_blocks
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train import zero3_gather
 from ds_infcl.train.steps import grad_cache_step, uncached_step
@@ -366,7 +366,8 @@ def _model_flops_per_sample(engine, batch: Batch, device: torch.device, rank: in
     state = get_rng_state(device)
     try:
         one = move_batch(batch.slice(0, 1), device)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        # eager_blocks: under the counter's dispatch mode dynamo would mark compiled blocks skipped
+        with torch.no_grad(), eager_blocks(), FlopCounterMode(display=False) as counter:
             engine("encode", one.query_inputs, one.key_inputs)
         return 3.0 * counter.get_total_flops() or None
     except Exception as e:  # noqa: BLE001 -- a tower the counter cannot trace costs only the MFU column

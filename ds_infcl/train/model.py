@@ -35,7 +35,7 @@ from torch import nn
 
 from ds_infcl.tasks.base import tree_map
 
-__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers"]
+__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "gradients")
 
@@ -138,10 +138,13 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
     return towers
 
 
-def _eager():
+def eager_blocks():
     """Compiled blocks run eagerly inside this context (``torch.compiler.set_stance``): evaluation
     batches come in other shapes than the training chunks, and compiling each (tens of seconds on
-    a GPU, counted against the recompile limit) would cost more than it saves."""
+    a GPU, counted against the recompile limit) would cost more than it saves. Also needed around
+    any call under a ``TorchDispatchMode`` (the trainer's FLOP count): dynamo cannot trace under
+    such a mode and marks the blocks' code as skipped for good, so every later chunk would run
+    eagerly (measured on an H100 before this was found: the compiled run was as slow as eager)."""
     return torch.compiler.set_stance("force_eager")
 
 
@@ -210,8 +213,8 @@ class ContrastiveModel(nn.Module):
             return self.loss(q, k, **(loss_kwargs or {})), q.detach(), k.detach()
         if mode == "encode":
             return self.encode_query(query_inputs), self.encode_key(key_inputs)
-        if mode in ("encode_query", "encode_key"):  # evaluation: eager, see _eager
-            with _eager():
+        if mode in ("encode_query", "encode_key"):  # evaluation: eager, see eager_blocks
+            with eager_blocks():
                 return self.encode_query(query_inputs) if mode == "encode_query" else self.encode_key(key_inputs)
         if mode == "logit_scale":
             return self.loss.logit_scale.detach().clone()

@@ -5,6 +5,8 @@ writes (``+compile``, ``+auto``, ``--set``), and the row and table built from wh
 import json
 import os
 
+import pytest
+
 from ds_infcl.bench import engine
 
 
@@ -46,3 +48,17 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| infcl | 2 | 8192 | 512 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
     assert "| infcl+compile+auto | 2 | 8192 | 256 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
+
+
+def test_gpu_selection_follows_cuda_visible_devices(monkeypatch):
+    # The deepspeed launcher ignores CUDA_VISIBLE_DEVICES once --num_gpus is given, so the
+    # benchmark turns it into --include (two benchmarks side by side on one host).
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engine._gpu_selection(2) == ["--num_gpus", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert engine._gpu_selection(1) == ["--include", "localhost:1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert engine._gpu_selection(2) == ["--include", "localhost:2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(SystemExit, match="names 1 GPU"):
+        engine._gpu_selection(2)

@@ -67,7 +67,12 @@ def main(path):
         d = os.path.join(out, job["name"])
         cfg = load_run_config(job.get("config"), list(job.get("set", [])) + [f"output_dir={d}"])
         ds = _load_ds_config(job["ds_config"], job.get("ds_set", []))
+        from torch._dynamo.utils import counters
+
+        before = int(counters["stats"]["unique_graphs"])
         train(cfg, ds, resume=job.get("resume"), save_params=os.path.join(d, "params.pt"))
+        with open(os.path.join(d, "dynamo.json"), "w") as f:  # graphs compiled during this job
+            json.dump({"unique_graphs": int(counters["stats"]["unique_graphs"]) - before}, f)
     from ds_infcl.train.dist import exit_process, shutdown
 
     shutdown()

@@ -138,6 +138,12 @@ def test_trainer_compiled_equals_eager_and_auto_chunk(tmp_path):
     chosen = json.loads((tmp_path / "auto" / "run_config.json").read_text())["batch"]["chunk_size"]
     assert chosen in (64, 128)  # the candidates probed for a local batch of 128 (from 64 up)
     assert "batch.chunk_size auto: chunk 64:" in log and "batch.chunk_size auto: chunk 128:" in log
+    # The blocks really run compiled in the trainer: the no-grad pass and the chunk with gradients
+    # each give a graph. (The FLOP count's dispatch mode once made dynamo skip the blocks for good,
+    # so the "compiled" run was eager with the same losses.)
+    graphs = json.loads((tmp_path / "compiled" / "dynamo.json").read_text())["unique_graphs"]
+    assert graphs >= 2, graphs
+    assert json.loads((tmp_path / "eager" / "dynamo.json").read_text())["unique_graphs"] == 0
     for name in ("compiled", "auto"):
         assert summaries[name]["losses"] == pytest.approx(summaries["eager"]["losses"], rel=1e-5, abs=1e-6), name
         eager = torch.load(tmp_path / "eager" / "params.pt")
