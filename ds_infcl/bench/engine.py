@@ -59,6 +59,13 @@ def _task_args(args) -> Dict:
     return {"arch": args.arch, **extra} if args.task == "bench_clip" else extra
 
 
+def _model_label(args) -> str:
+    """What the table's title names: the CLIP arch, or the decoder task with its arguments."""
+    if args.task == "bench_clip":
+        return args.arch
+    return f"{args.task} {args.task_args}" if args.task_args else args.task
+
+
 def _tokens_per_sample(args) -> Optional[int]:
     if args.task != "bench_decoder":
         return None
@@ -264,7 +271,7 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
         w.writeheader()
         w.writerows(rows)
     lines = [
-        f"# Training-step benchmark: {args.arch}, {args.label or os.path.basename(args.deepspeed_config)}"
+        f"# Training-step benchmark: {_model_label(args)}, {args.label or os.path.basename(args.deepspeed_config)}"
         f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
         f"GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
