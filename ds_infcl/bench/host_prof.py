@@ -17,7 +17,9 @@ host, per algorithm (``DS_INFCL_ALGORITHM`` = ``gather`` / ``ring``), with ``tor
 
 Run on every rank of a group, e.g. ``torchrun --nproc_per_node 2 -m ds_infcl.bench.host_prof
 --batch 4096 --dim 512`` (gloo on CPU, NCCL on CUDA). Rank 0 prints one table row per algorithm
-and, with ``--detail``, the operator counts per call.
+and, with ``--detail``, the operator counts per call. As one plain process (``python -m
+ds_infcl.bench.host_prof --batch 8192``) it measures the single-device call instead (row
+``single``).
 """
 
 from __future__ import annotations
@@ -140,8 +142,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
+    # Under torchrun: the distributed loss, per algorithm. One plain process: the single-device
+    # call (the "single" row; issue 17's eager b = 8,192 call), no process group.
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    algorithms = args.algorithms if distributed else ["single"]
+    barrier = dist.barrier if distributed else (lambda: None)
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda" if cuda else "cpu")
@@ -154,13 +162,14 @@ def main(argv=None) -> None:
         q = q.to(device, dtype).requires_grad_()
         k = k.to(device, dtype).requires_grad_()
         s = torch.tensor(14.3, device=device, requires_grad=True)
-        for alg in args.algorithms:
-            os.environ["DS_INFCL_ALGORITHM"] = alg
+        for alg in algorithms:
+            if distributed:
+                os.environ["DS_INFCL_ALGORITHM"] = alg
             for _ in range(3):
                 _one_call(q, k, s, args.backend, args.tile_size)
             if cuda:
                 torch.cuda.synchronize()
-            dist.barrier()
+            barrier()
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 _one_call(q, k, s, args.backend, args.tile_size)
@@ -168,7 +177,7 @@ def main(argv=None) -> None:
             if cuda:
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.calls * 1e3
-            dist.barrier()
+            barrier()
             aten, top, glue, launches, counts, table = _profile(q, k, s, args.backend, args.profiled_calls,
                                                                 args.tile_size)
             rows.append((alg, b, aten, top, glue, launches, host, wall))
@@ -182,7 +191,7 @@ def main(argv=None) -> None:
                 print(table)
             os.environ.pop("DS_INFCL_ALGORITHM", None)
     if rank == 0:
-        print(f"\nworld {dist.get_world_size()}, {device.type}, {dtype}, c = {args.dim}, "
+        print(f"\nworld {dist.get_world_size() if distributed else 1}, {device.type}, {dtype}, c = {args.dim}, "
               f"backend {args.backend}, "
               f"tile {args.tile_size or 'default'}")
         print("| algorithm | b per rank | aten ops/call | top ops/call | glue ops/call | kernels/call "
@@ -191,7 +200,8 @@ def main(argv=None) -> None:
         for alg, b, aten, top, glue, launches, host, wall in rows:
             print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {glue:.0f} | {launches:.0f} "
                   f"| {host:.2f} | {wall:.2f} |")
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
