@@ -242,8 +242,11 @@ def ring_lse(
 
 
 # The gather path while the largest per-rank batch is at most GATHER_MAX_LOCAL rows and the
-# gathered features fit GATHER_MAX_BYTES (see choose_algorithm).
-GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "8192"))
+# gathered features fit GATHER_MAX_BYTES (see choose_algorithm). Measured on 2 x H100 (c = 512,
+# bf16, symmetric; two runs, before and after the host-cost cut): gather faster at 4,096 rows
+# per rank (2.2 vs 2.8 ms; 6.6 vs 7.2), the ring at 8,192 (3.2 vs 3.4; 7.0 vs 7.7). Interpolating
+# the differences puts the crossover near 7k; 6,144 stays on the measured gather side of it.
+GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "6144"))
 GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 30)))
 _LAST = {"algorithm": None}
 
