@@ -128,10 +128,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """``data``: where the local batch lives. ``offload`` keeps it in CPU memory and moves one chunk
-    at a time to the device; ``pin_memory`` (``"auto"`` = when CUDA is used) pins it."""
+    at a time to the device; ``pin_memory`` (``"auto"`` = when CUDA is used) pins it.
+    ``copy_stream`` (GradCache on CUDA): copy the next chunk on a side stream while the current
+    one is encoded, so that host-to-device copies overlap compute (they overlap only from pinned
+    memory); false copies each chunk on the compute stream right before its forward (to debug).
+    """
 
     offload: bool = True
     pin_memory: Union[bool, str] = "auto"
+    copy_stream: bool = True
 
 
 @dataclass

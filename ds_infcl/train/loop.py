@@ -259,7 +259,8 @@ def train(
             try:
                 if cfg.batch.grad_cache:
                     result = grad_cache_step(engine, batch, cfg.batch.chunk_size, device,
-                                             verify_replay=cfg.batch.verify_replay, gather_params=gather)
+                                             verify_replay=cfg.batch.verify_replay, gather_params=gather,
+                                             copy_stream=cfg.data.copy_stream)
                 else:
                     result = uncached_step(engine, batch, device)
             except ValueError as e:  # the loss's input checks (NaN/Inf features, ...): say which step

@@ -22,6 +22,12 @@ the global loss, ``engine.backward(loss)``, ``engine.step()``.
    loss parameters' gradients are counted once per step, while every micro-step still gives every parameter
    a gradient (ZeRO sees one backward per micro-step and the same set of gradients each time).
 
+**Copies on a side stream** (``copy_stream``, the run config's ``data.copy_stream``): on CUDA,
+passes 1 and 3 take their chunks from a ``ChunkFeed``, which copies chunk ``i + 1`` from pinned
+host memory on a dedicated copy stream while chunk ``i``'s kernels run on the current stream, so
+that host-to-device copies and compute overlap (with every copy on the current stream, the copy of
+chunk ``i + 1`` would wait for chunk ``i``'s kernels).
+
 Summed over chunks, the gradient of every parameter is the gradient of the loss over the whole
 local batch, the same as the uncached step; DeepSpeed's data-parallel mean then gives the exact
 global-batch gradient (the loss implementations keep that contract, DESIGN.md section 3.1).
@@ -33,7 +39,7 @@ DeepSpeed's loss scaling applies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,7 +47,10 @@ from torch import nn
 from ds_infcl.train.model import loss_with_params
 from ds_infcl.tasks.base import Batch
 
-__all__ = ["StepResult", "uncached_step", "grad_cache_step", "move_batch", "get_rng_state", "set_rng_state"]
+__all__ = [
+    "StepResult", "uncached_step", "grad_cache_step", "move_batch", "ChunkFeed", "copy_stream_of",
+    "get_rng_state", "set_rng_state",
+]
 
 
 @dataclass
@@ -68,6 +77,108 @@ def move_batch(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":
         return batch
     return batch.map(lambda t: t.to(device, non_blocking=True))
+
+
+_COPY_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def copy_stream_of(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream that ``ChunkFeed`` copies on for the CUDA ``device``: one per device,
+    created on first use and reused by every later step (streams are a limited resource; a new
+    one per step would also defeat the allocator's per-stream block pools)."""
+    if device.type != "cuda":
+        raise ValueError(f"copy_stream_of: {device} is not a CUDA device; the feed copies on a side stream only on CUDA")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+class ChunkFeed:
+    """The chunks of a step on ``device``, in order, each copied one chunk ahead on a side stream.
+
+    Iterating yields ``move_batch(chunks[i], device)`` for ``i = 0, 1, ...``. On CUDA with
+    ``copy_stream`` true, the copy of chunk ``i + 1`` is issued on ``copy_stream_of(device)``
+    *before* chunk ``i`` is handed over, so it runs while the consumer's kernels for chunk ``i``
+    run on the current stream. Stream safety (PyTorch's "CUDA semantics" notes, "CUDA streams"):
+
+    - at each copy the side stream first waits for the current stream, so the copy is ordered
+      after all work queued so far (memory that work freed is safe to write);
+    - when chunk ``i`` is handed over, the current stream waits on an event recorded right after
+      chunk ``i``'s copy (not on the whole side stream, which by then also holds chunk ``i + 1``'s);
+    - every device tensor the feed made gets ``record_stream(current stream)``: it was allocated
+      on the side stream, and the caching allocator must not hand its memory to a later copy
+      before the current stream's kernels that read it have run.
+
+    Tensors already on the device (a task that decodes on the device) are passed through
+    untouched; host tensors that are not pinned are still copied correctly (``non_blocking``
+    copies from pageable memory are synchronous for the host, so they do not overlap). On CPU, or
+    with ``copy_stream`` false, the feed is ``move_batch`` on the current stream, chunk by chunk.
+
+    Memory: one chunk ahead, so the inputs of two chunks are on the device at a time (the
+    consumer should drop its reference to a chunk before asking for the next one); the caching
+    allocator may keep a third chunk's blocks, which it reuses only once the current stream has
+    run the kernels that read them.
+
+    Args:
+        chunks: the host chunks (``Batch.chunks``).
+        device: where the towers run.
+        copy_stream: copy on the side stream (CUDA only); false copies on the current stream.
+    """
+
+    def __init__(self, chunks: Sequence[Batch], device: torch.device, copy_stream: bool = True):
+        self.chunks = chunks
+        self.device = device
+        self.stream: Optional["torch.cuda.Stream"] = (
+            copy_stream_of(device) if copy_stream and device.type == "cuda" else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.stream is None:
+            for chunk in self.chunks:
+                yield move_batch(chunk, self.device)
+            return
+        ahead = self._issue(self.chunks[0]) if len(self.chunks) else None
+        for i in range(len(self.chunks)):
+            current, ahead = ahead, None
+            if i + 1 < len(self.chunks):
+                ahead = self._issue(self.chunks[i + 1])  # before chunk i's kernels are queued
+            chunk = self._hand_over(*current)
+            del current
+            yield chunk
+            del chunk
+
+    def _issue(self, chunk: Batch):
+        """Queue ``chunk``'s copies on the side stream; return the moved batch, the tensors the
+        copies made and the event recorded after them."""
+        made: List[torch.Tensor] = []
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "cpu":
+                return t  # already on the device: nothing to copy, nothing to protect
+            out = t.to(self.device, non_blocking=True)
+            made.append(out)
+            return out
+
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            moved = chunk.map(move)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return moved, made, done
+
+    def _hand_over(self, moved: Batch, made: List[torch.Tensor], done: "torch.cuda.Event") -> Batch:
+        """Order the current stream after the copies of ``moved`` and tie its tensors' memory to
+        the current stream; return it."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in made:
+            t.record_stream(current)
+        return moved
 
 
 def _loss_kwargs(engine, batch: Batch, device: torch.device):
@@ -107,6 +218,7 @@ def grad_cache_step(
     *,
     verify_replay: bool = False,
     gather_params: bool = False,
+    copy_stream: bool = True,
 ) -> StepResult:
     """One GradCache step: ``ceil(len(batch) / chunk_size)`` micro-steps (see module docstring).
 
@@ -121,6 +233,9 @@ def grad_cache_step(
         gather_params: ZeRO-3 only: gather every parameter once for the step and run the
             chunks outside ZeRO-3's module hooks, one micro-step per step
             (``ds_infcl.train.zero3_gather``; ``batch.gather_params``).
+        copy_stream: on CUDA, copy the next chunk on a side stream while the current one is
+            encoded (``ChunkFeed``; ``data.copy_stream``); false copies each chunk on the current
+            stream right before its forward. No effect on CPU.
     """
     chunks = batch.chunks(chunk_size)
     gas = engine.gradient_accumulation_steps()
@@ -130,15 +245,16 @@ def grad_cache_step(
             "config must be resolved with resolve_deepspeed_config"
         )
     if gather_params:
-        return _grad_cache_gathered(engine, batch, chunks, device, verify_replay)
+        return _grad_cache_gathered(engine, batch, chunks, device, verify_replay, copy_stream)
 
     # Passes 1 and 2: features chunk by chunk without gradients; the loss and its gradients once.
-    cache = _passes_1_and_2(engine, engine, batch, chunks, device)
+    cache = _passes_1_and_2(engine, engine, batch, chunks, device, copy_stream)
     # Pass 3: one DeepSpeed micro-step per chunk.
-    for i in range(len(chunks)):
+    for i, chunk in enumerate(ChunkFeed(chunks, device, copy_stream)):
         if i == len(chunks) - 1 and not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("GradCache: the last chunk is not at DeepSpeed's accumulation boundary")
-        surrogate = cache.replay(engine, chunks, i, device, verify_replay)
+        surrogate = cache.replay(engine, chunk, i, len(chunks), device, verify_replay)
+        del chunk
         engine.backward(surrogate, scale_wrt_gas=False)
         engine.step()
     set_rng_state(cache.rng_after, device)
@@ -163,33 +279,35 @@ class _Cache:
     starts: List[int]
     keys_per_query: int
 
-    def replay(self, call, chunks, i: int, device: torch.device, verify_replay: bool) -> torch.Tensor:
-        """Re-encode chunk ``i`` under its saved RNG state (``call``: the engine, or the bare module
-        under gathered parameters) and return its surrogate (see the module docstring)."""
-        n, start, kpq = len(chunks[i]), self.starts[i], self.keys_per_query
+    def replay(self, call, chunk: Batch, i: int, num_chunks: int, device: torch.device,
+               verify_replay: bool) -> torch.Tensor:
+        """Re-encode chunk ``i`` of ``num_chunks`` (``chunk``: its inputs, already on the device, from
+        the ``ChunkFeed``) under its saved RNG state (``call``: the engine, or the bare module under
+        gathered parameters) and return its surrogate (see the module docstring)."""
+        n, start, kpq = len(chunk), self.starts[i], self.keys_per_query
         set_rng_state(self.rng_states[i], device)
-        dev = move_batch(chunks[i], device)
         surrogate, q, k = call(
-            "surrogate", dev.query_inputs, dev.key_inputs, None,
+            "surrogate", chunk.query_inputs, chunk.key_inputs, None,
             self.grad_q[start : start + n], self.grad_k[start * kpq : (start + n) * kpq],
-            self.grad_p if i == len(chunks) - 1 else self.zero_p,
+            self.grad_p if i == num_chunks - 1 else self.zero_p,
         )
         if verify_replay:
             _check_replay(i, q, self.query[start : start + n], k, self.key[start * kpq : (start + n) * kpq])
         return surrogate
 
 
-def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device) -> _Cache:
+def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device, copy_stream: bool) -> _Cache:
     """Pass 1: every chunk's features without gradients (``call`` is the engine, or the bare
-    module under gathered parameters), one chunk on the device at a time. Pass 2: the global loss
-    and its gradients for the features and the loss parameters, once."""
+    module under gathered parameters), the chunks fed by a ``ChunkFeed`` (one chunk on the device,
+    the next one on its way). Pass 2: the global loss and its gradients for the features and the
+    loss parameters, once."""
     rng_states: List[Tuple] = []
     q_parts, k_parts = [], []
     with torch.no_grad():
-        for ch in chunks:
+        for dev in ChunkFeed(chunks, device, copy_stream):
             rng_states.append(get_rng_state(device))
-            dev = move_batch(ch, device)
             q, k = call("encode", dev.query_inputs, dev.key_inputs)
+            del dev
             q_parts.append(q)
             k_parts.append(k)
         loss_params = call("loss_params")
@@ -207,7 +325,8 @@ def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device) ->
                   tuple(torch.zeros_like(g) for g in grad_p), starts, batch.keys_per_query)
 
 
-def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool) -> StepResult:
+def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool,
+                         copy_stream: bool) -> StepResult:
     """The GradCache step under ZeRO-3 with the parameters gathered once (see
     ``ds_infcl.train.zero3_gather``): passes 1 and 3 on the bare module outside ZeRO-3's hooks,
     the chunks' gradients summed in float32 buffers, then handed to the engine in the step's one
@@ -221,10 +340,11 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
     params = list(model.parameters())
     buffers = GradientBuffers(params)
     with module_hooks_off(engine), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        cache = _passes_1_and_2(engine, model, batch, chunks, device)
-        for i in range(len(chunks)):
+        cache = _passes_1_and_2(engine, model, batch, chunks, device, copy_stream)
+        for i, chunk in enumerate(ChunkFeed(chunks, device, copy_stream)):
             with torch.enable_grad():
-                buffers.add(cache.replay(model, chunks, i, device, verify_replay))
+                buffers.add(cache.replay(model, chunk, i, len(chunks), device, verify_replay))
+            del chunk
         # The step's one micro-step, at the accumulation boundary (DeepSpeed's documented manual
         # accumulation: set before the forward; it stays set, as every step of the run takes this
         # path). The parameters are still gathered, so each AccumulateGrad sees full shapes and
