@@ -10,7 +10,7 @@ Layout under the checkpoint directory (one tag per saved step)::
                                    #   and our client_state under "ds_infcl"
         rng_rank00000.pt           # ours: this rank's Python, NumPy, torch CPU and CUDA RNG states
                                    #   (tensors and plain values: loads with weights_only=True)
-        ds_infcl_checkpoint.json   # ours, written last: step, world size, ZeRO stage, batch
+        ds_infcl_checkpoint.json   # ours, written last: step, world size, ZeRO stage, batch, lr schedule
 
 Writing is ordered so that a process killed at any moment never leaves a checkpoint that
 ``--resume`` would pick up half-written: every rank writes its files, all ranks meet at a barrier,
@@ -128,6 +128,11 @@ def save_checkpoint(
             "tag": tag, "step": step, "samples": run_state.get("samples"), "world_size": dist.get_world_size(),
             "zero_stage": int(engine.zero_optimization_stage()), "global_batch_size": run_state.get("global_batch_size"),
         }
+        if "scheduler" in run_state:  # a resume checks its schedule before anything is loaded (train/preflight.py)
+            record["scheduler"] = run_state["scheduler"]
+        # and its parameters' shapes before the engine is built (ZeRO-3 keeps a partition's: ds_shape)
+        record["param_shapes"] = {name: list(getattr(p, "ds_shape", p.shape))
+                                  for name, p in engine.module.named_parameters()}
         _write_atomic(os.path.join(ckpt_dir, tag, RECORD), json.dumps(record, indent=1))
         _write_atomic(os.path.join(ckpt_dir, "latest"), tag)
     if keep_last and rank == 0:

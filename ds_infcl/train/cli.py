@@ -78,9 +78,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             from ds_infcl.train.optim import prepare_optimizer
             from ds_infcl.loss import available_fastclip_losses
             from ds_infcl.tasks.base import check_only, fastclip_num_samples, get_task
+            from ds_infcl.train.dist import accelerator_name
+            from ds_infcl.train.preflight import check_at_load
 
             resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
             prepare_optimizer(resolved, "cuda")
+            check_at_load(cfg, ds_config, world, device_type=accelerator_name(), resume=args.resume, dry=True,
+                          source=args.deepspeed_config)
             with check_only():  # validates what the run would read; writes nothing
                 task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
                 if cfg.loss.impl in available_fastclip_losses() and not getattr(task, "_unbuilt", False):

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_infcl.train.checkpoint import check_world_size, load_checkpoint, resolve_resume, save_checkpoint
+from ds_infcl.train.checkpoint import check_world_size, load_checkpoint, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
@@ -160,7 +160,13 @@ def train(
     device = local_device()
     accel = accelerator_name()
 
-    # Configs: batch layout and optimizer; both fail before any model is built.
+    # Configs: batch layout and optimizer; both fail before any model is built. So do the checks of
+    # what would otherwise fail at step 1 or at the first checkpoint (train/preflight.py: the compile
+    # toolchain, writable output and checkpoint folders, a resume's record against this run).
+    from ds_infcl.train.preflight import check_at_load
+
+    found = check_at_load(cfg, ds_config, world, device_type=device.type, rank=rank, resume=resume,
+                          source=ds_config_source)
     if cfg.batch.chunk_size == "auto":  # measure the towers for the chunk (train/chunk_auto.py)
         from ds_infcl.train.chunk_auto import resolve_auto_chunk
 
@@ -178,6 +184,10 @@ def train(
     towers = compile_towers(task.build_towers(), cfg.model, int(ds_cfg.get("zero_optimization", {}).get("stage", 0)),
                             lambda m: _log(m, rank))
     model = ContrastiveModel(towers, build_loss(task, cfg.loss))
+    if found is not None:  # another model than the checkpoint's: said before the engine is built
+        from ds_infcl.train.preflight import check_param_shapes
+
+        check_param_shapes(found, model)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -191,8 +201,7 @@ def train(
     start_step, samples = 0, 0
     resumed = False
     if resume:
-        found = resolve_resume(resume, cfg.checkpoint_dir)
-        if found is not None:
+        if found is not None:  # (resolved and checked against its record by check_at_load)
             check_world_size(found[0], found[1], world, int(engine.zero_optimization_stage()),
                              layout.global_batch_size)
             state = load_checkpoint(engine, found[0], found[1], device)
