@@ -16,13 +16,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_infcl.train.checkpoint import check_world_size, load_checkpoint, save_checkpoint
+from ds_infcl.train.checkpoint import load_checkpoint, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
 from ds_infcl.train.model import ContrastiveModel, compile_towers, eager_blocks
 from ds_infcl.train.optim import prepare_optimizer
+from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
 from ds_infcl.train import zero3_gather
 from ds_infcl.train.steps import grad_cache_step, uncached_step
 from ds_infcl.tasks.base import Batch, as_batch, build_loss, get_task
@@ -110,23 +111,6 @@ def _scale_of(engine, logit_scale: float) -> float:
     return math.exp(min(logit_scale, getattr(engine.module.loss, "max_logit_scale", math.inf)))
 
 
-def _check_same_schedule(state: Dict[str, Any], ds_cfg: Dict[str, Any], where: str) -> None:
-    """A resumed run continues the learning-rate schedule it was saved with: a different one
-    (for example ``"auto"`` lengths after a change of ``train.num_steps``) would make the lr jump."""
-    from ds_infcl.train.config import ConfigError
-
-    if "scheduler" not in state:  # a checkpoint of an older version: nothing to compare
-        return
-    saved, now = state["scheduler"], ds_cfg.get("scheduler")
-    if saved != now:
-        raise ConfigError(
-            f"--resume: the checkpoint {where} was trained with the learning-rate schedule {json.dumps(saved)}, "
-            f"this run resolves to {json.dumps(now)} (\"auto\" lengths follow train.num_steps); resuming would "
-            "make the lr jump. Resume with the same train.num_steps, or give the saved values explicitly "
-            "(--ds-set scheduler.params.total_num_steps=... and warmup_num_steps=...)"
-        )
-
-
 def _log(msg: str, rank: int) -> None:
     if rank == 0:
         print(f"[ds_infcl] {msg}", flush=True)
@@ -163,8 +147,6 @@ def train(
     # Configs: batch layout and optimizer; both fail before any model is built. So do the checks of
     # what would otherwise fail at step 1 or at the first checkpoint (train/preflight.py: the compile
     # toolchain, writable output and checkpoint folders, a resume's record against this run).
-    from ds_infcl.train.preflight import check_at_load
-
     found = check_at_load(cfg, ds_config, world, device_type=device.type, rank=rank, resume=resume,
                           source=ds_config_source)
     if cfg.batch.chunk_size == "auto":  # measure the towers for the chunk (train/chunk_auto.py)
@@ -185,8 +167,6 @@ def train(
                             lambda m: _log(m, rank))
     model = ContrastiveModel(towers, build_loss(task, cfg.loss))
     if found is not None:  # another model than the checkpoint's: said before the engine is built
-        from ds_infcl.train.preflight import check_param_shapes
-
         check_param_shapes(found, model)
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
@@ -201,11 +181,10 @@ def train(
     start_step, samples = 0, 0
     resumed = False
     if resume:
-        if found is not None:  # (resolved and checked against its record by check_at_load)
-            check_world_size(found[0], found[1], world, int(engine.zero_optimization_stage()),
-                             layout.global_batch_size)
+        if found is not None:  # resolved, and its world size and batch checked, by check_at_load
             state = load_checkpoint(engine, found[0], found[1], device)
-            _check_same_schedule(state, ds_cfg, f"{found[0]}/{found[1]}")
+            # Against the client state too: records of older versions keep no schedule.
+            check_same_schedule(state, ds_cfg, f"{found[0]}/{found[1]}")
             resumed = True
             start_step, samples = int(state["step"]), int(state["samples"])
             if hasattr(task, "load_state_dict"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import inspect
+import json
 import os
 import shutil
 import socket
@@ -34,7 +35,7 @@ from typing import Any, Dict, List, Optional
 from ds_infcl.errors import ConfigError
 
 __all__ = ["check_at_load", "check_compile", "compile_toolchain_problem", "check_deepspeed_objects", "check_writable",
-           "check_resume", "check_param_shapes"]
+           "check_resume", "check_same_schedule", "check_param_shapes"]
 
 
 def compile_toolchain_problem(device_type: str) -> Optional[str]:
@@ -141,13 +142,27 @@ def check_resume(found, world_size: int, zero_stage: int, global_batch_size: int
         ConfigError: what differs and how to go on.
     """
     from ds_infcl.train.checkpoint import check_world_size, read_record
-    from ds_infcl.train.loop import _check_same_schedule
 
     ckpt_dir, tag = found
     check_world_size(ckpt_dir, tag, world_size, zero_stage, global_batch_size)
     record = read_record(ckpt_dir, tag)
     if record is not None:
-        _check_same_schedule(record, ds_config, f"{ckpt_dir}/{tag}")
+        check_same_schedule(record, ds_config, f"{ckpt_dir}/{tag}")
+
+
+def check_same_schedule(state: Dict[str, Any], ds_cfg: Dict[str, Any], where: str) -> None:
+    """A resumed run continues the learning-rate schedule it was saved with: a different one
+    (for example ``"auto"`` lengths after a change of ``train.num_steps``) would make the lr jump."""
+    if "scheduler" not in state:  # a checkpoint of an older version: nothing to compare
+        return
+    saved, now = state["scheduler"], ds_cfg.get("scheduler")
+    if saved != now:
+        raise ConfigError(
+            f"--resume: the checkpoint {where} was trained with the learning-rate schedule {json.dumps(saved)}, "
+            f"this run resolves to {json.dumps(now)} (\"auto\" lengths follow train.num_steps); resuming would "
+            "make the lr jump. Resume with the same train.num_steps, or give the saved values explicitly "
+            "(--ds-set scheduler.params.total_num_steps=... and warmup_num_steps=...)"
+        )
 
 
 def check_param_shapes(found, model) -> None:
