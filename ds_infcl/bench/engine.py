@@ -125,6 +125,26 @@ def _gpu_selection(num_gpus: int) -> List[str]:
     return ["--include", "localhost:" + ",".join(ids)]
 
 
+def trainer_args(deepspeed_config: str, run_path: str, ds_set=()) -> List[str]:
+    """``ds_infcl.train``'s arguments for a benchmark case: no lr schedule, clipping at 1.0, torch's
+    AdamW, then ``ds_set``'s overrides."""
+    out = ["--deepspeed_config", deepspeed_config, "--config", run_path,
+           "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
+           # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine
+           "--ds-set", "optimizer.params.torch_adam=true"]
+    for extra in ds_set:
+        out += ["--ds-set", extra]
+    return out
+
+
+def launcher_command(num_gpus: int, trainer: List[str]) -> List[str]:
+    """The ``deepspeed`` launcher running ``ds_infcl.train`` with ``trainer`` on ``num_gpus`` GPUs
+    (``_gpu_selection``), on a free port."""
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [launcher, *_gpu_selection(num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
+            *trainer]
+
+
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     out = os.path.join(args.out, tag.replace("+", "_"))
     shutil.rmtree(out, ignore_errors=True)
@@ -145,14 +165,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     run = apply_overrides(run, impl_sets + list(args.set))
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(run, f, indent=2)
-    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, *_gpu_selection(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
-           "--deepspeed_config", args.deepspeed_config, "--config", os.path.join(out, "run.json"),
-           "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
-           # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine
-           "--ds-set", "optimizer.params.torch_adam=true"]
-    for extra in args.ds_set:
-        cmd += ["--ds-set", extra]
+    cmd = launcher_command(args.num_gpus, trainer_args(args.deepspeed_config, os.path.join(out, "run.json"), args.ds_set))
     log_path = os.path.join(out, "log.txt")
     status, wall, text = _launch(cmd, log_path, args.case_timeout)
     if status == "failed":

@@ -52,10 +52,9 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ds_infcl.adapters.clip_configs import CLIP_ARCHITECTURES
-from ds_infcl.bench.engine import _REPO, _gpu_info, _gpu_selection, _launch
+from ds_infcl.bench.engine import _REPO, _gpu_info, _launch, launcher_command, trainer_args
 from ds_infcl.data.shards import SIZES_FILE
 from ds_infcl.train.config import apply_overrides
-from ds_infcl.train.dist import free_port
 
 __all__ = ["main", "parse_data_lines", "data_rates", "prepare_shards", "format_data_counts"]
 
@@ -170,17 +169,10 @@ def run_config(args, decode: str, out: str) -> Dict[str, object]:
 
 
 def _command(args, run_path: str) -> List[str]:
-    trainer = ["--deepspeed_config", args.deepspeed_config, "--config", run_path,
-               "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
-               # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine
-               "--ds-set", "optimizer.params.torch_adam=true"]
-    for extra in args.ds_set:
-        trainer += ["--ds-set", extra]
+    trainer = trainer_args(args.deepspeed_config, run_path, args.ds_set)
     if args.num_gpus == 0:  # one plain process: the trainer sets up a one-rank world itself
         return [sys.executable, "-m", "ds_infcl.train", *trainer]
-    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [launcher, *_gpu_selection(args.num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
-            *trainer]
+    return launcher_command(args.num_gpus, trainer)
 
 
 def run_case(args, decode: str) -> Dict[str, object]:
@@ -269,10 +261,6 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()  # NVML query: no CUDA context in this process
 
 
-def _cxx_compiler() -> Optional[str]:
-    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.jpeg_step", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -319,12 +307,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if problem is not None:
             p.error(f"--decode gpu needs CUDA and torchvision's decode_jpeg, but {problem}; "
                     "run --decode cpu here, or the gpu case on a CUDA machine")
-    compiler = _cxx_compiler()
+    from ds_infcl.train.preflight import compile_toolchain_problem  # the trainer's own check at load
+
+    cpu_problem = None if cuda else compile_toolchain_problem("cpu")
     if args.compile is None:
-        args.compile = cuda or compiler is not None
-    elif args.compile and not cuda and compiler is None:
-        p.error("--compile on CPU needs a C++ compiler (inductor's CPU backend; none of c++, g++, clang++ found): "
-                "install one or pass --no-compile")
+        args.compile = cuda or cpu_problem is None
+    elif args.compile and cpu_problem is not None:
+        p.error(f"--compile on CPU needs a C++ compiler: {cpu_problem}; or pass --no-compile")
     if args.shards is None:
         args.shards = os.path.join("data", f"jpeg{args.image_size}")
     shards = prepare_shards(args.shards, num_samples=args.num_samples, samples_per_shard=args.samples_per_shard,
