@@ -52,6 +52,10 @@ def _syncs(num_chunks: int, copy_stream: bool) -> int:
 
 @pytest.mark.parametrize("copy_stream", [True, False])
 def test_syncs_do_not_grow_with_the_chunks(copy_stream):
+    # The first counted step of a process sees one more synchronization than every later one (on an
+    # H200, torch 2.11: 4 then 3, with either chunk count first), a once-per-process cost that a
+    # warm-up step of the same model does not absorb; count after one discarded measurement.
+    _syncs(4, copy_stream)
     few, many = _syncs(2, copy_stream), _syncs(8, copy_stream)
     print(f"copy_stream={copy_stream}: {few} synchronizing operations with 2 chunks, {many} with 8")
     assert few == many, (few, many)
