@@ -2,7 +2,8 @@
 
 Each rank keeps its queries ``Q_r [b_r, c]``; key blocks ``K_o [m_o, c]`` travel around the ring
 of ``group``. At step ``t`` rank ``r`` holds the block of rank ``o = (r - t) mod W``; the exchange
-of the next block is posted before the current one is computed and waited for after.
+of the next block is posted before the current one is computed (small blocks) or after it (large
+blocks, see ``overlap_exchange``) and waited for after.
 
 Forward (``W`` steps, ``W - 1`` key hops, one final hop of column statistics)::
 
@@ -62,9 +63,35 @@ __all__ = ["RingLSEFunction", "ring_lse", "ring_infonce"]
 _F32 = torch.float32
 
 
+# Each hop's exchange is posted either before the block's kernels (it runs beside them) or after
+# them (it runs alone, between two blocks). Beside them, NCCL's send/recv kernel holds SMs from its
+# launch until the peer has posted too; when the peer is late, the persistent forward kernel
+# launched next finds those SMs taken and its programs there start only when the exchange ends, so
+# one rank's lateness makes the other's forward slower, and the ranks alternate in being late.
+# Measured on 2 x H200 (c = 512, bf16, symmetric, 2026-11-26; docs/distributed.md): at 131,072 rows
+# per rank, calls of 355-404 ms (the forward kernel 123 ms on one rank, 172 on the other) beside,
+# 358-364 ms (123 ms on both) alone; alone is faster from 16,384 rows (6.4 vs 6.9 ms), beside at
+# 8,192 (4.9 vs 5.3 ms). A hop moves b c values against b^2 c of block work, so the share of the
+# transfer falls with the rows only: "auto" overlaps while the largest block has at most
+# RING_OVERLAP_MAX_ROWS rows. DS_INFCL_RING_OVERLAP=1 / 0 pins it.
+RING_OVERLAP = os.environ.get("DS_INFCL_RING_OVERLAP", "auto")
+RING_OVERLAP_MAX_ROWS = int(os.environ.get("DS_INFCL_RING_OVERLAP_MAX_ROWS", "12288"))
+
+
+def overlap_exchange(layout: RingLayout) -> bool:
+    """Whether the ring posts each hop's exchange before the block's kernels (overlapped) or after
+    them; the same on every rank (a function of the layout)."""
+    if RING_OVERLAP == "auto":
+        return max(max(layout.key_sizes), max(layout.query_sizes)) <= RING_OVERLAP_MAX_ROWS
+    if RING_OVERLAP in ("0", "1"):
+        return RING_OVERLAP == "1"
+    raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {RING_OVERLAP!r}")
+
+
 def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
                   layout: RingLayout, group):
     b, c = query.shape
+    overlap = overlap_exchange(layout)
     row = None  # the first block's row statistics start the merge (a fresh float32 tensor)
     cur_key, col_acc = key, None
     for t in range(layout.world):
@@ -79,13 +106,15 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
             col_in = torch.empty((layout.key_sizes[owner],), device=key.device, dtype=_F32)
             send.append(col_acc)
             recv.append(col_in)
-        works = post_ring_shift(send, recv, layout, group)
+        works = post_ring_shift(send, recv, layout, group) if overlap else None
         own = owner == layout.rank
         row_t, col_t = lse_forward(
             query, cur_key, scale, labels=labels if own else None,
             exclude_positive=exclude_positive and own, compute_col=compute_col,
             backend=backend, tile_size=tile_size,
         )
+        if works is None:
+            works = post_ring_shift(send, recv, layout, group)
         row = row_t if row is None else torch.logaddexp(row, row_t, out=row)
         wait_all(works)
         if compute_col:
@@ -108,6 +137,7 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
     # (the fused InfoNCE of ds_infcl.loss.ring_fused); labels None there means the diagonal.
     b, c = query.shape
     m = key.shape[0]
+    overlap = overlap_exchange(layout)
     dq = dscale = None  # the first block's results start the sums (fresh float32 tensors)
     # Every rank must run the same protocol, so missing upstream gradients become zeros.
     a = grad_row.float() if grad_row is not None else torch.zeros_like(row)
@@ -131,7 +161,7 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
             dk_in = torch.empty((layout.key_sizes[owner], c), device=key.device, dtype=_F32)
             send.append(dk_acc)
             recv.append(dk_in)
-        works = post_ring_shift(send, recv, layout, group)
+        works = post_ring_shift(send, recv, layout, group) if overlap else None
         own = owner == layout.rank
         dq_t, dk_t, ds_t = lse_backward(
             query, cur_key, scale, row, cur_info[0] if compute_col else None, a,
@@ -142,6 +172,8 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
         dq = dq_t if dq is None else dq.add_(dq_t)
         dscale = ds_t if dscale is None else dscale.add_(ds_t)
         del dq_t
+        if works is None:
+            works = post_ring_shift(send, recv, layout, group)
         wait_all(works)
         dk_acc = dk_t if dk_in is None else dk_t.add_(dk_in)
         if next_key is not None:

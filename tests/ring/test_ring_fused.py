@@ -1,7 +1,7 @@
 """The fused distributed InfoNCE (``ds_infcl.loss.ring_fused``): the diagonal shortcut taken when
 the caller passes ``labels=None`` gives the same loss and gradients as the general path with
 ``labels = arange(b)``, and both equal the fp64 reference, on 2 gloo ranks with unequal sizes
-(one rank without queries too), by both algorithms; and one call builds the small autograd graph
+(one rank without queries too), by both algorithms (the ring with its exchange overlapped and not); and one call builds the small autograd graph
 the shortcut is for (no ``key[labels]`` index node, one Function, the collectives' nodes)."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ LAYOUTS = [([3, 7], 1), ([0, 5], 1), ([4, 2], 2)]
 
 
 def _cases():
-    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg)
-            for sizes, hard in LAYOUTS for sym in (True, False) for alg in ("gather", "ring")]
+    # The ring with each hop's exchange overlapped with the block's kernels ("1") and after them ("0").
+    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, overlap=ov)
+            for sizes, hard in LAYOUTS for sym in (True, False)
+            for alg, ov in (("gather", "auto"), ("ring", "1"), ("ring", "0"))]
 
 
 def _data(case, seed):
@@ -47,6 +49,7 @@ def _graph_names(fn):
 
 
 def _worker(rank, world, cases):
+    import ds_infcl.loss.ring as ring_mod
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
@@ -55,6 +58,7 @@ def _worker(rank, world, cases):
         q_all, k_all, key_sizes = _data(case, seed)
         q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
         res = {}
+        ring_mod.RING_OVERLAP = case["overlap"]
         for mode in ("none", "arange"):
             os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
             q = q_all[q0:q0 + case["sizes"][rank]].clone().requires_grad_(True)

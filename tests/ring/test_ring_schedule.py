@@ -1,5 +1,5 @@
 """The ring's schedule in one process, with the P2P layer replaced by a recorder: each hop is
-posted before the block is computed and waited for after; the right blocks are received, in the
+posted before the block is computed (overlapped) or after it, and waited for after; the right blocks are received, in the
 right sizes and dtypes (features in their own dtype, statistics and ``dk`` in float32); column
 statistics and ``dk`` end with a final hop home."""
 
@@ -55,7 +55,24 @@ def _inputs():
     return q, k
 
 
-def test_forward_schedule(recorder):
+def _order(expected, overlap):
+    """The overlapped schedule as written below, or each hop's post moved after its compute."""
+    if overlap:
+        return expected
+    out = list(expected)
+    for i in range(len(out) - 1):
+        if out[i][0] == "post" and out[i + 1][0] == "compute":
+            out[i], out[i + 1] = out[i + 1], out[i]
+    return out
+
+
+@pytest.fixture(params=[True, False], ids=["overlap", "serial"])
+def overlap(request, monkeypatch):
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "1" if request.param else "0")
+    return request.param
+
+
+def test_forward_schedule(recorder, overlap):
     q, k = _inputs()
     ring_mod._ring_forward(q, k, 2.0, None, True, True, "torch", None, _layout(), None)
     bf16, f32 = torch.bfloat16, torch.float32
@@ -74,10 +91,10 @@ def test_forward_schedule(recorder):
         # final hop: block 2's complete statistics go home, this rank's own arrive
         ("post", [((KEY_SIZES[2],), f32)], [((KEY_SIZES[1],), f32)]), ("wait",),
     ]
-    assert recorder == expected
+    assert recorder == _order(expected, overlap)
 
 
-def test_backward_schedule(recorder):
+def test_backward_schedule(recorder, overlap):
     q, k = _inputs()
     row, col = torch.zeros(QUERY_SIZES[RANK]), torch.zeros(KEY_SIZES[RANK])
     dq, dk, ds = ring_mod._ring_backward(q, k, 2.0, None, False, True, "torch", None, _layout(),
@@ -98,7 +115,7 @@ def test_backward_schedule(recorder):
         # final hop: block 2's complete dk goes home, this rank's own dk arrives
         ("post", [((m2, C), f32)], [((m1, C), f32)]), ("wait",),
     ]
-    assert recorder == expected
+    assert recorder == _order(expected, overlap)
 
 
 def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
@@ -125,3 +142,24 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
     with pytest.raises(ValueError, match="DS_INFCL_ALGORITHM"):
         ring_mod.choose_algorithm(layout(16), 512, 2, True)
+
+
+def test_the_exchange_overlaps_small_blocks_only(monkeypatch):
+    """auto: the hop's exchange runs beside the block's kernels up to RING_OVERLAP_MAX_ROWS rows in
+    the largest block, after them above (measured, see overlap_exchange); 1 / 0 pin it."""
+    n = ring_mod.RING_OVERLAP_MAX_ROWS
+
+    def layout(q, k):
+        return RingLayout(world=2, rank=0, query_sizes=q, key_sizes=k, feature_dim=8, send_to=1, recv_from=1)
+
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "auto")
+    assert ring_mod.overlap_exchange(layout((n, 1), (n, n)))
+    assert not ring_mod.overlap_exchange(layout((1, 1), (1, n + 1)))  # another rank's block decides
+    assert not ring_mod.overlap_exchange(layout((n + 1, 0), (0, 0)))
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "1")
+    assert ring_mod.overlap_exchange(layout((10**6,) * 2, (10**6,) * 2))
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0")
+    assert not ring_mod.overlap_exchange(layout((1, 1), (1, 1)))
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="DS_INFCL_RING_OVERLAP"):
+        ring_mod.overlap_exchange(layout((1, 1), (1, 1)))
