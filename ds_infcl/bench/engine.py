@@ -331,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="more DeepSpeed JSON overrides for every case (repeatable), e.g. "
                    "zero_optimization.stage3_param_persistence_threshold=1e12")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="run-config overrides for every case of ours (repeatable), e.g. model.compile_mode=max-autotune")
+                   help="run-config overrides for every case of ours (repeatable), e.g. model.compile_mode=max-autotune-no-cudagraphs")
     p.add_argument("--openclip-batches", type=int, nargs="+", default=[256, 512, 768, 1024],
                    help="openclip_step: batches per GPU tried in ascending order until one fails (out of memory)")
     p.add_argument("--openclip-accum-freq", type=int, default=1,

@@ -117,7 +117,9 @@ class ModelConfig:
     """``model``: how the task's towers run. ``compile``: ``false`` (eager), ``"blocks"`` (or
     ``true``): each repeated block (every child of an ``nn.ModuleList`` in the towers, e.g. the
     transformer layers) compiled in place with ``torch.compile(dynamic=False)``, parameter names
-    and checkpoints unchanged; ``compile_mode`` is ``torch.compile``'s ``mode``. Not with ZeRO
+    and checkpoints unchanged; ``compile_mode`` is ``torch.compile``'s ``mode``, ``default`` or
+    ``max-autotune-no-cudagraphs`` (the CUDA-graph modes are refused: per-block graphs overwrite
+    outputs still in use). Not with ZeRO
     stage 3 (its parameter hooks would run inside the compiled blocks); see
     ``ds_infcl.train.model.compile_towers``."""
 
@@ -306,6 +308,10 @@ def _parse_section(name: str, cls, raw: Any):
     return cls(**kwargs)
 
 
+# torch.compile modes that wrap the compiled code in CUDA graphs (refused, see validate).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def _allowed(key: str, value: Any, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {list(allowed)}")
@@ -404,8 +410,14 @@ def _validate(cfg: RunConfig) -> None:
         if not cfg.batch.memory_budget_gib > 0:
             raise ConfigError(f"batch.memory_budget_gib: must be > 0, got {cfg.batch.memory_budget_gib}")
     _allowed("model.compile", cfg.model.compile, (False, True, "blocks"))
-    _allowed("model.compile_mode", cfg.model.compile_mode,
-             ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    if cfg.model.compile_mode in _CUDA_GRAPH_MODES:
+        raise ConfigError(
+            f"model.compile_mode: {cfg.model.compile_mode!r} captures each compiled block in a CUDA graph, and "
+            "a block's graph reuses its output buffers on every replay while the previous replay's outputs are "
+            "still in use (the next block's input, GradCache's saved activations): the run fails at step 1 "
+            "with 'accessing tensor output of CUDAGraphs that has been overwritten' (measured on an H200, "
+            "torch 2.11). Use 'default' or 'max-autotune-no-cudagraphs'")
+    _allowed("model.compile_mode", cfg.model.compile_mode, ("default", "max-autotune-no-cudagraphs"))
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:
         raise ConfigError("batch.chunk_size: required when batch.grad_cache is true")
     if not cfg.batch.grad_cache and cfg.batch.chunk_size is not None:

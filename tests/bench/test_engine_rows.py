@@ -37,14 +37,14 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
     monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
     monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "2 x Fake GPU", "mem_gib": 80.0})
     engine.main(["--num-gpus", "2", "--no-search", "--throughput-batch", "8192", "--chunk-size", "512",
-                 "--impls", "infcl", "infcl+compile+auto", "--set", "model.compile_mode=max-autotune",
+                 "--impls", "infcl", "infcl+compile+auto", "--set", "model.compile_mode=max-autotune-no-cudagraphs",
                  "--out", str(tmp_path)])
     plain = json.loads((tmp_path / "infcl_tp_8192" / "run.json").read_text())
     both = json.loads((tmp_path / "infcl_compile_auto_tp_8192" / "run.json").read_text())
     assert plain["loss"]["impl"] == "infcl" and plain["batch"]["chunk_size"] == 512
-    assert plain["model"] == {"compile_mode": "max-autotune"}
+    assert plain["model"] == {"compile_mode": "max-autotune-no-cudagraphs"}
     assert both["loss"]["impl"] == "infcl" and both["batch"]["chunk_size"] == "auto"
-    assert both["model"] == {"compile": "blocks", "compile_mode": "max-autotune"}
+    assert both["model"] == {"compile": "blocks", "compile_mode": "max-autotune-no-cudagraphs"}
     table = (tmp_path / "results.md").read_text()
     assert "| infcl | 2 | 8192 | 512 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
     assert "| infcl+compile+auto | 2 | 8192 | 256 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table

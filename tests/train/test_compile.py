@@ -66,6 +66,14 @@ def test_config_keys():
         run_config_from_dict({**base, "model": {"compile": "towers"}})
     with pytest.raises(ConfigError, match=r"model.compile_mode: 'fast' is not allowed"):
         run_config_from_dict({**base, "model": {"compile_mode": "fast"}})
+    # The CUDA-graph modes failed at step 1 on a GPU (per-block graphs overwrite outputs still in
+    # use): refused when the config is read, naming the modes that work.
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ConfigError, match=rf"model.compile_mode: '{mode}' captures .* Use 'default' or "
+                                              r"'max-autotune-no-cudagraphs'"):
+            run_config_from_dict({**base, "model": {"compile": "blocks", "compile_mode": mode}})
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        assert run_config_from_dict({**base, "model": {"compile_mode": mode}}).model.compile_mode == mode
 
 
 @pytest.mark.slow
