@@ -76,6 +76,8 @@ _F32 = torch.float32
 # RING_OVERLAP_MAX_ROWS rows. DS_INFCL_RING_OVERLAP=1 / 0 pins it.
 RING_OVERLAP = os.environ.get("DS_INFCL_RING_OVERLAP", "auto")
 RING_OVERLAP_MAX_ROWS = int(os.environ.get("DS_INFCL_RING_OVERLAP_MAX_ROWS", "12288"))
+if RING_OVERLAP not in ("auto", "0", "1"):  # at import: a bad value stops the process before any collective
+    raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {RING_OVERLAP!r}")
 
 
 def overlap_exchange(layout: RingLayout) -> bool:
@@ -299,10 +301,12 @@ def choose_algorithm(layout: RingLayout, dim: int, element_size: int, symmetric:
 
 
 def algorithm_settings() -> int:
-    """A fingerprint of this process's algorithm settings (``DS_INFCL_ALGORITHM`` and the gather
-    thresholds), exchanged with the layout so that ranks launched with different values stop with
-    an error naming them instead of running different collectives (a hang on NCCL)."""
-    text = f"{os.environ.get('DS_INFCL_ALGORITHM', 'auto')}|{GATHER_MAX_LOCAL}|{GATHER_MAX_BYTES}"
+    """A fingerprint of this process's algorithm settings (``DS_INFCL_ALGORITHM``, the gather
+    thresholds and the ring's overlap setting), exchanged with the layout so that ranks launched
+    with different values stop with an error naming them instead of running different collectives
+    (a hang on NCCL)."""
+    text = (f"{os.environ.get('DS_INFCL_ALGORITHM', 'auto')}|{GATHER_MAX_LOCAL}|{GATHER_MAX_BYTES}|"
+            f"{RING_OVERLAP}|{RING_OVERLAP_MAX_ROWS}")
     return zlib.crc32(text.encode())
 
 

@@ -5,6 +5,8 @@ statistics and ``dk`` end with a final hop home."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -163,3 +165,19 @@ def test_the_exchange_overlaps_small_blocks_only(monkeypatch):
     monkeypatch.setattr(ring_mod, "RING_OVERLAP", "yes")
     with pytest.raises(ValueError, match="DS_INFCL_RING_OVERLAP"):
         ring_mod.overlap_exchange(layout((1, 1), (1, 1)))
+
+
+def test_a_bad_overlap_setting_stops_the_import(monkeypatch):
+    """DS_INFCL_RING_OVERLAP is checked when the module is imported (before any collective), and
+    is part of the settings fingerprint the ranks compare with the layout."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_INFCL_RING_OVERLAP": "yes"}
+    proc = subprocess.run([sys.executable, "-c", "import ds_infcl.loss.ring"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got 'yes'" in proc.stderr
+    fingerprint = ring_mod.algorithm_settings()
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0" if ring_mod.RING_OVERLAP != "0" else "1")
+    assert ring_mod.algorithm_settings() != fingerprint
