@@ -74,20 +74,23 @@ _F32 = torch.float32
 # 8,192 (4.9 vs 5.3 ms). A hop moves b c values against b^2 c of block work, so the share of the
 # transfer falls with the rows only: "auto" overlaps while the largest block has at most
 # RING_OVERLAP_MAX_ROWS rows. DS_INFCL_RING_OVERLAP=1 / 0 pins it.
-RING_OVERLAP = os.environ.get("DS_INFCL_RING_OVERLAP", "auto")
+def _check_overlap_setting(value: str) -> str:
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {value!r}")
+    return value
+
+
+# Checked at import: a bad value stops the process before any collective.
+RING_OVERLAP = _check_overlap_setting(os.environ.get("DS_INFCL_RING_OVERLAP", "auto"))
 RING_OVERLAP_MAX_ROWS = int(os.environ.get("DS_INFCL_RING_OVERLAP_MAX_ROWS", "12288"))
-if RING_OVERLAP not in ("auto", "0", "1"):  # at import: a bad value stops the process before any collective
-    raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {RING_OVERLAP!r}")
 
 
 def overlap_exchange(layout: RingLayout) -> bool:
     """Whether the ring posts each hop's exchange before the block's kernels (overlapped) or after
     them; the same on every rank (a function of the layout)."""
-    if RING_OVERLAP == "auto":
+    if _check_overlap_setting(RING_OVERLAP) == "auto":
         return max(max(layout.key_sizes), max(layout.query_sizes)) <= RING_OVERLAP_MAX_ROWS
-    if RING_OVERLAP in ("0", "1"):
-        return RING_OVERLAP == "1"
-    raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {RING_OVERLAP!r}")
+    return RING_OVERLAP == "1"
 
 
 def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
