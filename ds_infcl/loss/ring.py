@@ -22,12 +22,12 @@ scale gradient of rank ``r`` is the sum of its block ``dscale`` (its share of th
 
 Choice by size (``ring_infonce``): where the gathered features are small, the ring's ``W`` hops of
 small blocks cost more than they save (a fixed cost per hop and per launch). Then one all-gather
-of the keys (and, symmetric, of the queries) and single-device fused calls over them compute the
-same loss: ``row_r = lse(Q_r, K_all)`` and, symmetric, ``lse(K_r[labels], Q_all)``, the gathered
-features' gradients summed back to their owners by a reduce-scatter. It is exact the same way (the
-shares add up to the global loss) and holds ``(B + M) c`` gathered values; it computes the logits
-of a symmetric loss twice, so the ring wins once the blocks are large. ``choose_algorithm`` picks
-by the largest per-rank batch and the gathered bytes (thresholds below, measured on H200s); the
+of the keys and one fused call over them compute the same loss: ``row_r = lse(Q_r, K_all)`` and
+the partial column statistics of rank r's queries, merged across ranks by one small all-gather;
+the gathered keys' float32 gradient goes back to the owners by a reduce-scatter. It is exact the
+same way (the shares add up to the global loss) and holds ``M c`` gathered values and their
+gradient: linear in the global batch, so ``choose_algorithm`` caps its bytes and otherwise picks
+by the world size and the largest per-rank batch (thresholds below, measured on H200s); the
 environment variable ``DS_INFCL_ALGORITHM`` (``ring`` / ``gather``) pins it, and
 ``last_algorithm()`` reports the last choice.
 
@@ -278,29 +278,40 @@ def ring_lse(
                        tile_size, layout)
 
 
-# The gather path while the largest per-rank batch is at most GATHER_MAX_LOCAL rows and the
-# gathered features fit GATHER_MAX_BYTES (see choose_algorithm). Measured on 2 x H100 (c = 512,
-# bf16, symmetric; two runs, before and after the host-cost cut): gather faster at 4,096 rows
-# per rank (2.2 vs 2.8 ms; 6.6 vs 7.2), the ring at 8,192 (3.2 vs 3.4; 7.0 vs 7.7). Interpolating
-# the differences puts the crossover near 7k; 6,144 stays on the measured gather side of it.
-GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "6144"))
-GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 30)))
+# The gather path while its buffers, the gathered keys and their float32 gradient
+# (M c (e + 4) bytes), fit GATHER_MAX_BYTES and, on 2 ranks, the largest per-rank batch is at most
+# GATHER_MAX_LOCAL rows (see choose_algorithm). Measured on 4 x H200 (c = 512, bf16, symmetric,
+# one run each at 2 and 4 ranks, 2026-11-26; docs/distributed.md): on 4 ranks the gather path is
+# faster at every size measured (4k-64k rows per rank: 3.0 vs 6.1 ms at 4k, 12.2 vs 13.1 at 16k,
+# 47.2 vs 48.5 at 32k, 183.3 vs 185.7 at 64k), on 2 ranks up to 16k (2.9 vs 4.1 ms at 8k; 6.2 vs
+# 6.3 at 16k) and the ring from 32k (23.5 vs 24.4 ms; 92.2 vs 109.9 at 64k). The byte cap keeps
+# the extra memory of the gather path at most 0.5 GiB (c = 512, bf16: M <= 174,762 keys); above
+# it the ring's memory does not grow with the world size.
+GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "16384"))
+GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 29)))
 _LAST = {"algorithm": None}
 
 
 def choose_algorithm(layout: RingLayout, dim: int, element_size: int, symmetric: bool) -> str:
     """``"gather"`` or ``"ring"`` for this call; the same on every rank (a function of the layout,
-    which every rank holds). ``DS_INFCL_ALGORITHM=ring|gather`` pins it."""
+    which every rank holds). ``DS_INFCL_ALGORITHM=ring|gather`` pins it. ``symmetric`` does not
+    matter any more (the gather path gathers only the keys); it stays for callers."""
     pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
     if pinned in ("ring", "gather"):
         return pinned
     if pinned != "auto":
         raise ValueError(f"DS_INFCL_ALGORITHM must be 'auto', 'ring' or 'gather', got {pinned!r}")
-    rows = layout.num_keys + (layout.num_queries if symmetric else 0)
+    if gather_bytes(layout, dim, element_size) > GATHER_MAX_BYTES:
+        return "ring"
     largest = max(max(layout.query_sizes), max(layout.key_sizes))
-    if largest <= GATHER_MAX_LOCAL and rows * dim * element_size <= GATHER_MAX_BYTES:
-        return "gather"
-    return "ring"
+    if layout.world <= 2 and largest > GATHER_MAX_LOCAL:
+        return "ring"
+    return "gather"
+
+
+def gather_bytes(layout: RingLayout, dim: int, element_size: int) -> int:
+    """Bytes the gather path holds per rank: the gathered keys and their float32 gradient."""
+    return layout.num_keys * dim * (element_size + 4)
 
 
 def algorithm_settings() -> int:

@@ -21,13 +21,15 @@ the backward, with upstream ``g``, uses the weight ``w = g W f / B`` (the ``W`` 
 contract, see ``ds_infcl.ring.collectives``) for every LSE term and ``-w`` per direction for each
 positive logit.
 
-- Gather (``GatherInfoNCEFunction``): the Function all-gathers the keys ``K_all`` (and, symmetric,
-  the queries ``Q_all``) in its forward and reduce-scatters their gradients in its backward, on
-  every rank and in the same order; a rank without queries reduce-scatters zeros, which keeps the
-  collectives paired without extra graph terms. ``row = lse(Q_r, K_all)``,
-  ``col' = lse(K_r[l], Q_all)`` (``K_r`` itself for the diagonal with one key per query: no
-  copy). The positive of query i is key ``key_offset + l_i`` of ``K_all``, so the row
-  direction's backward adds the positive terms.
+- Gather (``GatherInfoNCEFunction``): the Function all-gathers the keys ``K_all`` in its forward
+  and reduce-scatters their float32 gradient in its backward. Each rank computes its queries
+  against all keys once, for both directions, exactly as the ring computes one block:
+  ``row = lse(Q_r, K_all)`` and the partial column statistics over its own queries, which one
+  all-gather of ``W x M`` floats and a log-sum-exp merge into the global ``col`` on every rank.
+  The backward all-gathers the column weights ``b_j`` from the keys' owners and runs one
+  backward over ``(Q_r, K_all)`` with the global statistics. The positive of query i is key
+  ``key_offset + l_i`` of ``K_all``. (The first version gathered the queries too and computed
+  the two directions as two separate passes: twice the logits of the ring, issue 17.)
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
 
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
+from ds_infcl.ring.layout import all_gather_single
 
 __all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction"]
 
@@ -78,27 +81,63 @@ def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Te
     return (grad if grad.dtype == _F32 else grad.float()) * factor
 
 
+def _merge_column_statistics(col_part: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
+    """The global column LSE ``[M]`` on every rank from each rank's partial one over its own
+    queries: one all-gather of ``W x M`` floats and a log-sum-exp over the ranks."""
+    if layout.world == 1:
+        return col_part
+    parts = col_part.new_empty((layout.world * col_part.shape[0],))
+    all_gather_single(parts, col_part.contiguous(), group=group)
+    return torch.logsumexp(parts.view(layout.world, -1), dim=0)
+
+
+def _column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: int, device) -> torch.Tensor:
+    """``[m]`` float32 upstream weights of the local keys' column LSE: ``w`` per query whose
+    positive is key j (no bincount: that would sync)."""
+    if labels is None and m == b:
+        return w.expand(m).contiguous()
+    out = torch.zeros((m,), device=device, dtype=_F32)
+    if labels is None:
+        out[:b] = w
+    elif b:
+        out.index_add_(0, labels, w.expand(b))
+    return out
+
+
 class GatherInfoNCEFunction(torch.autograd.Function):
-    """The global InfoNCE from gathered features; see the module doc. Owns its collectives: the
-    all-gather of the keys (and, symmetric, of the queries) in the forward, the reduce-scatter of
-    their gradients in the backward, on every rank (a rank without queries sends and receives
-    zeros), with no autograd node of their own. Holds the gathered features: O((B + M) c)."""
+    """The global InfoNCE from gathered keys; see the module doc. Owns its collectives, on every
+    rank and in the same order (a rank without queries takes part with ``-inf`` statistics and
+    zero gradients), with no autograd node of their own:
+
+    - forward: the all-gather of the keys, then (symmetric) the all-gather of each rank's partial
+      column statistics over its own queries, merged by a log-sum-exp into the global ones;
+    - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners,
+      then the reduce-scatter of the float32 gradient of the gathered keys.
+
+    Every logit is computed once per pass, for both directions, as in the ring. Holds the gathered
+    keys and, in the backward, their float32 gradient: ``M c (e + 4)`` bytes for ``e``-byte
+    features (``choose_algorithm`` caps it)."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group):
         s = scale.detach()  # read on the device by the kernels: no host sync
+        query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
         key_all = all_gather_rows(key, layout.key_sizes, group)
-        query_all = all_gather_rows(query, layout.query_sizes, group) if symmetric else None
-        row = col = pos = None
+        row = col = pos = col_pos = None
         if b:
-            row, _ = lse_forward(query, key_all, s, compute_col=False, backend=backend, tile_size=tile_size)
+            row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
+                                        tile_size=tile_size)
             pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
-            if symmetric:
-                col, _ = lse_forward(_positive_rows(key, labels, b), query_all, s, compute_col=False,
-                                     backend=backend, tile_size=tile_size)
-        loss = _share_and_sum(row, col, pos, layout, group, query.device)
-        ctx.save_for_backward(query, key, labels, row, col, s, query_all, key_all)
+        elif symmetric:  # no queries here: an empty sum for every key
+            col_part = torch.full((layout.num_keys,), float("-inf"), device=query.device, dtype=_F32)
+        if symmetric:
+            col = _merge_column_statistics(col_part, layout, group)
+            if b:
+                offset = layout.key_offset()
+                col_pos = _positive_rows(col[offset: offset + key.shape[0]], labels, b)
+        loss = _share_and_sum(row, col_pos, pos, layout, group, query.device)
+        ctx.save_for_backward(query, key, labels, row, col, s, key_all)
         ctx.scale_shape = scale.shape
         ctx.options = (symmetric, backend, tile_size, layout, group)
         return loss
@@ -106,50 +145,34 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the distributed InfoNCE")
-        query, key, labels, row, col, s, query_all, key_all = ctx.saved_tensors
+        query, key, labels, row, col, s, key_all = ctx.saved_tensors
         symmetric, backend, tile_size, layout, group = ctx.options
         b = query.shape[0]
-        # Every rank runs the same collectives in the same order (keys, then queries); each
-        # gathered gradient is reduce-scattered as soon as it is complete, so that at most one of
-        # them is alive at a time.
-        if b == 0:  # zeros keep this rank in the reduce-scatters
-            dk = reduce_scatter_rows(torch.zeros_like(key_all), layout.key_sizes, layout.rank, group)
-            dq = torch.zeros_like(query)
-            if symmetric:
-                dq = reduce_scatter_rows(torch.zeros_like(query_all), layout.query_sizes, layout.rank, group)
-            dscale = None
-            if ctx.needs_input_grad[2]:
-                dscale = torch.zeros(ctx.scale_shape, device=s.device, dtype=_F32)
-            return dq, dk, dscale, None, None, None, None, None, None
         w = _weight(grad, layout, symmetric)
-        wb = w.expand(b)
-        # Query i's positive is key key_offset + l_i of key_all: its terms join the row direction.
-        offset = layout.key_offset()
-        if labels is not None:
-            lab_all = labels + offset if offset else labels
-        else:
-            lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
-        dq, dk_all, dscale = lse_backward(
-            query, key_all, s, row, None, wb, None, labels=lab_all,
-            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), out_dtype=query.dtype,
-            backend=backend, tile_size=tile_size,
-        )
+        grad_col_all = None
+        if symmetric:  # b_j from each key's owner (its own upstream weight), for all M keys
+            grad_col_all = all_gather_rows(_column_weights(w, labels, b, key.shape[0], key.device),
+                                           layout.key_sizes, group)
+        if b:
+            # Query i's positive is key key_offset + l_i of key_all.
+            offset = layout.key_offset()
+            if labels is not None:
+                lab_all = labels + offset if offset else labels
+            else:
+                lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
+            dq, dk_all, dscale = lse_backward(
+                query, key_all, s, row, col, w.expand(b), grad_col_all, labels=lab_all,
+                grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
+                tile_size=tile_size,
+            )
+        else:  # zeros keep this rank in the reduce-scatter
+            dq = torch.zeros_like(query)
+            dk_all = torch.zeros(key_all.shape, device=key.device, dtype=_F32)
+            dscale = torch.zeros((), device=s.device, dtype=_F32)
         dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
         del dk_all
-        if symmetric:
-            dkp, dq_all, ds_col = lse_backward(
-                _positive_rows(key, labels, b), query_all, s, col, None, wb, None,
-                out_dtype=query.dtype, backend=backend, tile_size=tile_size,
-            )
-            dq.add_(reduce_scatter_rows(dq_all, layout.query_sizes, layout.rank, group))
-            del dq_all
-            dscale = dscale + ds_col
-            if labels is None:  # the diagonal: key i (a slice when there are more keys)
-                dk[:b].add_(dkp)
-            else:
-                dk.index_add_(0, labels, dkp)
         dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk, dscale, None, None, None, None, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None
 
 
 class RingInfoNCEFunction(torch.autograd.Function):
@@ -179,16 +202,7 @@ class RingInfoNCEFunction(torch.autograd.Function):
         symmetric, backend, tile_size, layout, group = ctx.options
         b, m = query.shape[0], key.shape[0]
         w = _weight(grad, layout, symmetric)
-        grad_col = None
-        if symmetric:  # w per query whose positive is key j (no bincount: that would sync)
-            if labels is None and m == b:
-                grad_col = w.expand(m)
-            else:
-                grad_col = torch.zeros((m,), device=key.device, dtype=_F32)
-                if labels is None:
-                    grad_col[:b] = w
-                else:
-                    grad_col.index_add_(0, labels, w.expand(b))
+        grad_col = _column_weights(w, labels, b, m, key.device) if symmetric else None
         dq, dk, ds = _ring_backward(
             query, key, s, labels, False, symmetric, backend, tile_size, layout, group, row, col,
             w.expand(b), grad_col, grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b),
