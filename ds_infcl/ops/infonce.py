@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ds_infcl.ops.infonce_graph import graph_for
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce"]
@@ -36,8 +37,15 @@ class InfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size):
         s = scale.detach()
-        loss, row, col = infonce_forward(query, key, s, labels, symmetric=symmetric, backend=backend,
-                                         tile_size=tile_size)
+        graphed = graph_for(query, key, s, labels, symmetric, backend, tile_size,
+                            *_passes(symmetric, backend, tile_size))
+        ctx.graph = None
+        if graphed is not None:  # a repeated small shape: replayed from CUDA graphs
+            loss, row, col, ctx.graph_token = graphed.forward(query, key, s, labels)
+            ctx.graph = graphed
+        else:
+            loss, row, col = infonce_forward(query, key, s, labels, symmetric=symmetric, backend=backend,
+                                             tile_size=tile_size)
         if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
@@ -50,26 +58,47 @@ class InfoNCEFunction(torch.autograd.Function):
         refuse_double_backward("the fused InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
         symmetric, backend, tile_size = ctx.options
-        b, m = query.shape[0], key.shape[0]
-        grad = grad.float()
-        w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
-        grad_pos = (grad * (-1.0 / b)).expand(b)
-        grad_col = None
-        if symmetric:
-            if labels is None and m == b:  # CLIP: every key is one query's positive
-                grad_col = w.expand(m)
-            else:  # w times the number of queries whose positive is key j (bincount would sync)
-                grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
-                if labels is None:
-                    grad_col[:b] = w
-                else:
-                    grad_col.index_add_(0, labels, w.expand(b))
-        dq, dk, ds = lse_backward(
-            query, key, s, row, col if symmetric else None, w.expand(b), grad_col,
-            labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
-        )
+        col = col if symmetric else None
+        if ctx.graph is not None:
+            dq, dk, ds = ctx.graph.backward(ctx.graph_token, query, key, s, labels, row, col, grad)
+        else:
+            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size)
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq, dk, dscale, None, None, None, None
+
+
+def _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size):
+    """``(dq, dk, dscale)`` of the InfoNCE with upstream ``grad`` (see the module doc)."""
+    b, m = query.shape[0], key.shape[0]
+    grad = grad.float()
+    w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
+    grad_pos = (grad * (-1.0 / b)).expand(b)
+    grad_col = None
+    if symmetric:
+        if labels is None and m == b:  # CLIP: every key is one query's positive
+            grad_col = w.expand(m)
+        else:  # w times the number of queries whose positive is key j (bincount would sync)
+            grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
+            if labels is None:
+                grad_col[:b] = w
+            else:
+                grad_col.index_add_(0, labels, w.expand(b))
+    return lse_backward(
+        query, key, s, row, col, w.expand(b), grad_col,
+        labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
+    )
+
+
+def _passes(symmetric, backend, tile_size):
+    """The eager forward and backward as functions of tensors only (what a CUDA graph captures)."""
+
+    def forward_fn(q, k, s, labels):
+        return infonce_forward(q, k, s, labels, symmetric=symmetric, backend=backend, tile_size=tile_size)
+
+    def backward_fn(q, k, s, labels, row, col, grad):
+        return _infonce_backward(q, k, s, labels, row, col, grad, symmetric, backend, tile_size)
+
+    return forward_fn, backward_fn
 
 
 def infonce_loss(

@@ -1,0 +1,121 @@
+"""The single-device InfoNCE replayed from CUDA graphs (``ds_infcl.ops.infonce_graph``) against
+the eager call on the same inputs (skipped without CUDA).
+
+    TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_infonce_graph_gpu.py
+
+Each case runs three calls of one shape with new inputs each (the first eager, the second
+captures, the third replays) and compares loss and gradients with the eager call on the same
+inputs; calls that interleave (two forwards, then their backwards in either order) too. The
+kernels and tiles are the eager ones, so the results agree to the last bit except where cuBLAS
+schedules a product differently under capture (then a 16-bit gradient moves by an ulp here and
+there); each case prints whether they were bitwise equal.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0", allow_module_level=True)
+
+from ds_infcl.loss import contrastive_loss  # noqa: E402
+from ds_infcl.ops import infonce_graph as ig  # noqa: E402
+from tests.ops.accuracy import rel_err  # noqa: E402
+
+# (b, m, c, dtype, symmetric, explicit labels)
+CASES = [
+    (8192, 8192, 512, torch.bfloat16, True, False),
+    (8192, 8192, 512, torch.bfloat16, False, False),
+    (1000, 3000, 72, torch.float16, False, True),
+    (777, 777, 128, torch.float32, True, False),
+    (1, 5, 64, torch.bfloat16, True, True),
+    (4096, 2048, 256, torch.bfloat16, True, True),
+]
+
+
+def _inputs(b, m, c, dtype, labels, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(b, c, device="cuda", generator=g), dim=1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(m, c, device="cuda", generator=g), dim=1).to(dtype)
+    s = torch.tensor(10.0 + seed, device="cuda")
+    lab = torch.randint(0, m, (b,), device="cuda", generator=g) if labels else None
+    return q, k, s, lab
+
+
+def _forward(q, k, s, lab, symmetric):
+    q, k, s = (t.clone().requires_grad_() for t in (q, k, s))
+    loss = contrastive_loss(q, k, s, lab, symmetric=symmetric, backend="triton", check_finite=False)
+    return loss, (q, k, s)
+
+
+def _grads(loss, leaves):
+    loss.backward()
+    return [loss.detach()] + [t.grad for t in leaves]
+
+
+def _compare(got, want, dtype, what):
+    bitwise = all(torch.equal(x, y) for x, y in zip(got, want))
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    for name, x, y in zip(["loss", "dq", "dk", "dscale"], got, want):
+        assert rel_err(x, y) <= (1e-6 if name in ("loss", "dscale") else tol), f"{what} {name}: {rel_err(x, y):.1e}"
+    return bitwise
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}-{'sym' if c[4] else 'one'}"
+                         f"{'-labels' if c[5] else ''}")
+def test_graph_replay_equals_eager(case, monkeypatch):
+    b, m, c, dtype, symmetric, labels = case
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "0")
+    eager = [_grads(*_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric)) for seed in range(3)]
+    assert not ig._GRAPHS
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
+    graphed = [_grads(*_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric)) for seed in range(3)]
+    assert len(ig._GRAPHS) == 1, "the repeated shape was not captured"
+    (entry,) = ig._GRAPHS.values()
+    assert entry.replays == 4  # calls 2 and 3, forward and backward each
+    bitwise = [_compare(gr, eg, dtype, f"call {i + 1}") for i, (gr, eg) in enumerate(zip(graphed, eager))]
+    # Interleaved: two forwards, then the backwards in reverse order (the inputs are reloaded).
+    losses = [_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric) for seed in (1, 2)]
+    late = [_grads(*losses[1]), _grads(*losses[0])]
+    _compare(late[0], eager[2], dtype, "interleaved 2")
+    _compare(late[1], eager[1], dtype, "interleaved 1")
+    print(f"\ngraphed == eager ({b}x{m}x{c} {dtype} symmetric={symmetric} labels={labels}); bitwise: {bitwise}")
+    ig.clear_graphs()
+
+
+def test_large_shapes_and_captures_stay_eager(monkeypatch):
+    """Under ``auto`` only shapes up to MAX_LOGITS are graphed; inside a caller's own capture the
+    eager kernels are recorded (no nested capture)."""
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
+    q, k, s, _ = _inputs(8192, 8193, 64, torch.bfloat16, False, 0)
+    for _ in range(3):
+        _grads(*_forward(q, k, s, None, True))
+    assert not ig._GRAPHS
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "1")
+    for _ in range(2):
+        _grads(*_forward(q, k, s, None, True))
+    assert len(ig._GRAPHS) == 1
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
+    q, k, s, _ = _inputs(256, 256, 64, torch.bfloat16, False, 0)
+    q, k, s = (t.clone().requires_grad_() for t in (q, k, s))
+
+    def step():
+        q.grad = k.grad = s.grad = None
+        contrastive_loss(q, k, s, symmetric=True, backend="triton", check_finite=False).backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: the first sighting of the shape
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()  # the second sighting, but inside a capture: eager kernels, no graph of ours
+    assert not ig._GRAPHS
+    graph.replay()
+    torch.cuda.synchronize()
+    ig.clear_graphs()
