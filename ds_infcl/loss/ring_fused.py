@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
+from ds_infcl.ops.infonce_graph import run_graphed
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
 
@@ -104,6 +105,29 @@ def _column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: 
     return out
 
 
+def _gather_forward_fn(symmetric, backend, tile_size):
+    """The gather path's local forward kernels as a function of tensors (what a graph captures):
+    ``(row [b], partial col [M] or None, positive logits [b])``."""
+
+    def forward(query, key_all, s, key, labels):
+        row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
+                                    tile_size=tile_size)
+        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        return row, col_part, pos
+
+    return forward
+
+
+def _gather_backward_fn(backend, tile_size):
+    """The gather path's local backward: ``(dq, d key_all, dscale)``, float32."""
+
+    def backward(query, key_all, s, row, col, grad_row, grad_col, labels, grad_pos):
+        return lse_backward(query, key_all, s, row, col, grad_row, grad_col, labels=labels,
+                            grad_pos=grad_pos, backend=backend, tile_size=tile_size)
+
+    return backward
+
+
 class GatherInfoNCEFunction(torch.autograd.Function):
     """The global InfoNCE from gathered keys; see the module doc. Owns its collectives, on every
     rank and in the same order (a rank without queries takes part with ``-inf`` statistics and
@@ -125,10 +149,11 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         b = query.shape[0]
         key_all = all_gather_rows(key, layout.key_sizes, group)
         row = col = pos = col_pos = None
-        if b:
-            row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
-                                        tile_size=tile_size)
-            pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        if b:  # the local kernels, replayed from a CUDA graph where small shapes repeat
+            row, col_part, pos = run_graphed(
+                "gather_forward", _gather_forward_fn(symmetric, backend, tile_size),
+                (query, key_all, s, key, labels), options=(symmetric, tile_size),
+                logits=b * layout.num_keys, backend=backend)
         elif symmetric:  # no queries here: an empty sum for every key
             col_part = torch.full((layout.num_keys,), float("-inf"), device=query.device, dtype=_F32)
         if symmetric:
@@ -160,11 +185,11 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 lab_all = labels + offset if offset else labels
             else:
                 lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
-            dq, dk_all, dscale = lse_backward(
-                query, key_all, s, row, col, w.expand(b), grad_col_all, labels=lab_all,
-                grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
-                tile_size=tile_size,
-            )
+            dq, dk_all, dscale = run_graphed(
+                "gather_backward", _gather_backward_fn(backend, tile_size),
+                (query, key_all, s, row, col, w.expand(b), grad_col_all, lab_all,
+                 (w * (-2.0 if symmetric else -1.0)).expand(b)),
+                options=(tile_size,), logits=b * layout.num_keys, backend=backend)
         else:  # zeros keep this rank in the reduce-scatter
             dq = torch.zeros_like(query)
             dk_all = torch.zeros(key_all.shape, device=key.device, dtype=_F32)

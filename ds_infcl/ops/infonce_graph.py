@@ -4,14 +4,17 @@ Below ~10k rows an isolated call of the fused loss is bound by the host, not the
 b = m = 8,192, c = 512 the GPU works 0.71 ms per forward + backward (H100, docs/kernels.md) while
 Python, autograd and ~10 Triton launches take the host 1.2-1.4 ms. Where a shape repeats, the
 forward and the backward of ``ds_infcl.ops.infonce.InfoNCEFunction`` are each replayed from one CUDA
-graph instead: the host then issues a few copies and one replay per pass.
+graph instead: the host then issues a few copies and one replay per pass. The distributed gather
+path (``ds_infcl.loss.ring_fused``) replays its local kernels the same way, between its
+collectives (``run_graphed``), which stay outside the graphs.
 
 How:
 
 - A call becomes a candidate when the Triton backend runs it on CUDA, nothing is being captured
   already (a caller's own ``torch.cuda.graph`` records the eager kernels), torch.compile is not
   tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is at most
-  ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^26: 8,192 x 8,192), where launches cost more than the work.
+  ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^28: 16,384 x 16,384; the GPU's work of such a call is about
+  2.7 ms on an H200, beyond which the host's ~1.5 ms hide behind it anyway).
   ``DS_INFCL_CUDA_GRAPH=1`` graphs every size, ``0`` none.
 - The first call of a shape runs eagerly (it compiles the kernels); the second captures both
   passes, on static inputs, with the same kernels and tiles as the eager call, so the results are
@@ -19,8 +22,10 @@ How:
 - Each replay copies its inputs into the static buffers and clones its outputs, so calls may
   interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
-- At most ``MAX_GRAPHS`` shapes are kept (least recently used goes first). Each holds its static
-  inputs and outputs and one memory pool for both passes: about 0.2 GiB at 8,192 x 8,192, c = 512.
+- At most ``MAX_GRAPHS`` graphs are kept (4: the single-device loss takes one per shape, the gather
+  path two), for the first shapes that repeat; later shapes run eagerly (capturing again and again
+  would cost more than it saves). Each holds its static inputs and outputs and its memory pool:
+  0.05 GiB more than the eager peak at 8,192 x 8,192, c = 512. ``clear_graphs()`` frees them.
 - Replays run on the current stream, like the eager kernels. Calls of one shape from several
   streams at once would share the static buffers: use ``DS_INFCL_CUDA_GRAPH=0`` there.
 """
@@ -34,7 +39,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["GraphedInfoNCE", "graph_for", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS", "MAX_GRAPHS"]
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS", "MAX_GRAPHS"]
 
 
 def _check_mode(value: str) -> str:
@@ -44,11 +49,11 @@ def _check_mode(value: str) -> str:
 
 
 CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
-MAX_LOGITS = int(os.environ.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", str(1 << 26)))
-MAX_GRAPHS = 2
+MAX_LOGITS = int(os.environ.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", str(1 << 28)))
+MAX_GRAPHS = 4
 
 _SEEN: "collections.Counter" = collections.Counter()
-_GRAPHS: "collections.OrderedDict" = collections.OrderedDict()
+_GRAPHS: dict = {}
 _FAILED: set = set()
 
 
@@ -136,31 +141,77 @@ class GraphedInfoNCE:
         return self.dq.clone(), self.dk.clone(), self.ds.clone()
 
 
-def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_fn: ForwardFn,
-              backward_fn: BackwardFn) -> Optional[GraphedInfoNCE]:
-    """The graphs of this call's shape, captured on its second occurrence; ``None``: run eagerly."""
-    if not _eligible(query, key, backend):
-        return None
-    k = _graph_key(query, key, scale, labels, symmetric, tile_size)
+def _lookup(k, build, what: str):
+    """The cached graph of key ``k``, built by ``build()`` on the key's second sighting; ``None``
+    (run eagerly) before that, or when capturing it failed once."""
     graphed = _GRAPHS.get(k)
     if graphed is not None:
-        _GRAPHS.move_to_end(k)
         return graphed
     if k in _FAILED:
         return None
     if len(_SEEN) > 1024:  # shapes that keep changing: start counting afresh
         _SEEN.clear()
     _SEEN[k] += 1
-    if _SEEN[k] < 2:
+    if _SEEN[k] < 2 or len(_GRAPHS) >= MAX_GRAPHS:
         return None
     try:
-        graphed = GraphedInfoNCE(query, key, scale, labels, forward_fn, backward_fn)
+        graphed = build()
     except RuntimeError as e:  # e.g. a kernel this CUDA/driver cannot capture: eager for this shape
         _FAILED.add(k)
-        warnings.warn(f"ds_infcl: capturing the InfoNCE of shape {k[:2]} in a CUDA graph failed ({e}); "
-                      "this shape runs eagerly (DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", RuntimeWarning)
+        warnings.warn(f"ds_infcl: capturing {what} in a CUDA graph failed ({e}); this shape runs eagerly "
+                      "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", RuntimeWarning)
         return None
     _GRAPHS[k] = graphed
-    while len(_GRAPHS) > MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
     return graphed
+
+
+def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_fn: ForwardFn,
+              backward_fn: BackwardFn) -> Optional[GraphedInfoNCE]:
+    """The graphs of this call's shape, captured on its second occurrence; ``None``: run eagerly."""
+    if not _eligible(query, key, backend):
+        return None
+    k = _graph_key(query, key, scale, labels, symmetric, tile_size)
+    return _lookup(k, lambda: GraphedInfoNCE(query, key, scale, labels, forward_fn, backward_fn),
+                   f"the InfoNCE of shape {k[:2]}")
+
+
+class GraphedCall:
+    """``fn(*args)`` (tensors or ``None`` in, a tuple of tensors or ``None`` out) captured in one
+    CUDA graph on static copies of its arguments; each call copies its arguments in, replays, and
+    clones the outputs (so the results outlive the next replay)."""
+
+    def __init__(self, fn, args):
+        dev = next(a.device for a in args if a is not None)
+        self.args = [None if a is None else a.detach().clone() for a in args]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            fn(*self.args)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = fn(*self.args)
+        self.replays = 0
+
+    def __call__(self, *args):
+        for dst, src in zip(self.args, args):
+            if dst is not None:
+                dst.copy_(src)
+        self.graph.replay()
+        self.replays += 1
+        return tuple(None if o is None else o.clone() for o in self.out)
+
+
+def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str):
+    """``fn(*args)``, replayed from a CUDA graph where the shapes repeat (the rules of the module
+    doc, ``logits`` standing for ``b m``); ``tag`` and ``options`` (hashable) name the computation.
+    Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its local kernels,
+    between its collectives."""
+    first = next(a for a in args if a is not None)
+    mode = _check_mode(CUDA_GRAPH)
+    if (mode == "0" or backend != "triton" or not first.is_cuda or torch.cuda.is_current_stream_capturing()
+            or torch.compiler.is_compiling() or (mode == "auto" and logits > MAX_LOGITS)):
+        return fn(*args)
+    k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
+    graphed = _lookup(k, lambda: GraphedCall(fn, args), f"{tag} {k[2:]}")
+    return fn(*args) if graphed is None else graphed(*args)

@@ -2,7 +2,9 @@
 distributed InfoNCE (``ds_infcl.loss.ring_fused``) on NCCL with the Triton backend, by both
 algorithms, ``labels=None`` (the diagonal shortcut, no positive-key gather) against explicit
 ``labels = arange(b)`` and the float64 reference of the global batch; unequal per-rank sizes,
-one key per query and two (the shortcut's slice). Exit status 1 on any failure."""
+one key per query and two (the shortcut's slice). Then the gather path with its local kernels
+replayed from CUDA graphs (``ds_infcl.ops.infonce_graph.run_graphed``: the second call of a shape
+captures, the third replays) against the same calls run eagerly. Exit status 1 on any failure."""
 
 import os
 import sys
@@ -53,6 +55,43 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     return max(loss_errs), max(errs), same
 
 
+def graph_check(rank, world, device):
+    """(largest relative difference graphed vs eager, bitwise equal, graphs kept, replays) of three
+    calls per label mode of the gather path, with new inputs each call."""
+    from ds_infcl.ops import infonce_graph as ig
+
+    b = 700 + 1111 * rank
+    os.environ["DS_INFCL_ALGORITHM"] = "gather"
+
+    def call(seed, explicit):
+        g = torch.Generator().manual_seed(1000 * seed + rank)
+        q = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
+        k = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
+        labels = torch.randperm(b, generator=g).to(device) if explicit else None
+        q.requires_grad_(True)
+        k.requires_grad_(True)
+        s = torch.tensor(14.3 + seed, device=device, requires_grad=True)
+        loss = contrastive_loss(q, k, s, labels, symmetric=True, backend="triton", check_finite=False)
+        loss.backward()
+        return [loss.detach(), q.grad, k.grad, s.grad]
+
+    results = {}
+    for mode in ("0", "auto"):
+        ig.clear_graphs()
+        ig.CUDA_GRAPH = mode
+        results[mode] = [call(seed, explicit) for explicit in (False, True) for seed in range(3)]
+    kept, replays = len(ig._GRAPHS), sorted(gr.replays for gr in ig._GRAPHS.values())
+    ig.clear_graphs()
+    ig.CUDA_GRAPH = "auto"
+    os.environ.pop("DS_INFCL_ALGORITHM")
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+    pairs = [(x, y) for got, want in zip(results["auto"], results["0"]) for x, y in zip(got, want)]
+    return max(rel(x, y) for x, y in pairs), all(torch.equal(x, y) for x, y in pairs), kept, replays
+
+
 def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,6 +113,19 @@ def main():
                     print(f"{'ok  ' if ok else 'FAIL'} W={world} {dtype} {'sym' if symmetric else 'one'} "
                           f"keys/query={kpq} {algorithm}: rel err loss {errs[0]:.2e} grads {errs[1]:.2e}, "
                           f"labels None vs arange {errs[2]:.2e}", flush=True)
+    diff, bitwise, kept, replays = graph_check(rank, world, device)
+    # Forward: one graph per label mode. Backward: one per mode on rank 0; one for both elsewhere
+    # (the positives' global indices are a tensor either way there). Each replayed at least twice.
+    stats = torch.tensor([diff, float(not bitwise), float(kept < 3 or min(replays) < 2)], device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    # The same kernels on the same inputs: equal up to a product that cuBLAS schedules differently
+    # under capture (an ulp of a bf16 gradient here and there).
+    ok = stats[0] <= 2e-3 and stats[2] == 0
+    failed += not bool(ok)
+    if rank == 0:
+        print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path replayed from CUDA graphs: graphs kept {kept}, "
+              f"replays {replays}, largest rel diff to eager {stats[0]:.2e}, bitwise on every rank: "
+              f"{not bool(stats[1])}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 
