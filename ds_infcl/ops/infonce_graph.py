@@ -10,9 +10,9 @@ collectives (``run_graphed``), which stay outside the graphs.
 
 How:
 
-- A call becomes a candidate when the Triton backend runs it on CUDA, nothing is being captured
-  already (a caller's own ``torch.cuda.graph`` records the eager kernels), torch.compile is not
-  tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is at most
+- A call becomes a candidate when the Triton backend runs it on the current CUDA device, nothing
+  is being captured already (a caller's own ``torch.cuda.graph`` records the eager kernels),
+  torch.compile is not tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is at most
   ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^28: 16,384 x 16,384; the GPU's work of such a call is about
   2.7 ms on an H200, beyond which the host's ~1.5 ms hide behind it anyway).
   ``DS_INFCL_CUDA_GRAPH=1`` graphs every size, ``0`` none.
@@ -49,7 +49,18 @@ def _check_mode(value: str) -> str:
 
 
 CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
-MAX_LOGITS = int(os.environ.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", str(1 << 28)))
+def _positive_int(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+    return value
+
+
+MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
 MAX_GRAPHS = 4
 
 _SEEN: "collections.Counter" = collections.Counter()
@@ -66,8 +77,8 @@ def clear_graphs() -> None:
 
 def _eligible(query: torch.Tensor, key: torch.Tensor, backend: str) -> bool:
     mode = _check_mode(CUDA_GRAPH)
-    if mode == "0" or backend != "triton" or not query.is_cuda:
-        return False
+    if mode == "0" or backend != "triton" or not query.is_cuda or query.device.index != torch.cuda.current_device():
+        return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return False
     return mode == "1" or query.shape[0] * key.shape[0] <= MAX_LOGITS
@@ -209,8 +220,9 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str):
     between its collectives."""
     first = next(a for a in args if a is not None)
     mode = _check_mode(CUDA_GRAPH)
-    if (mode == "0" or backend != "triton" or not first.is_cuda or torch.cuda.is_current_stream_capturing()
-            or torch.compiler.is_compiling() or (mode == "auto" and logits > MAX_LOGITS)):
+    if (mode == "0" or backend != "triton" or not first.is_cuda or first.device.index != torch.cuda.current_device()
+            or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
+            or (mode == "auto" and logits > MAX_LOGITS)):
         return fn(*args)
     k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
     graphed = _lookup(k, lambda: GraphedCall(fn, args), f"{tag} {k[2:]}")
