@@ -292,10 +292,9 @@ GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 29))
 _LAST = {"algorithm": None}
 
 
-def choose_algorithm(layout: RingLayout, dim: int, element_size: int, symmetric: bool) -> str:
+def choose_algorithm(layout: RingLayout, dim: int, element_size: int) -> str:
     """``"gather"`` or ``"ring"`` for this call; the same on every rank (a function of the layout,
-    which every rank holds). ``DS_INFCL_ALGORITHM=ring|gather`` pins it. ``symmetric`` does not
-    matter any more (the gather path gathers only the keys); it stays for callers."""
+    which every rank holds). ``DS_INFCL_ALGORITHM=ring|gather`` pins it."""
     pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
     if pinned in ("ring", "gather"):
         return pinned
@@ -355,7 +354,7 @@ def ring_infonce(
     )
     if labels is not None:
         labels = labels.to(device=query.device, dtype=torch.long)
-    algorithm = choose_algorithm(layout, query.shape[1], query.element_size(), symmetric)
+    algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
         return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
+from ds_infcl.ops.infonce import column_weights
 from ds_infcl.ops.infonce_graph import run_graphed
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
@@ -90,19 +91,6 @@ def _merge_column_statistics(col_part: torch.Tensor, layout: RingLayout, group) 
     parts = col_part.new_empty((layout.world * col_part.shape[0],))
     all_gather_single(parts, col_part.contiguous(), group=group)
     return torch.logsumexp(parts.view(layout.world, -1), dim=0)
-
-
-def _column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: int, device) -> torch.Tensor:
-    """``[m]`` float32 upstream weights of the local keys' column LSE: ``w`` per query whose
-    positive is key j (no bincount: that would sync)."""
-    if labels is None and m == b:
-        return w.expand(m).contiguous()
-    out = torch.zeros((m,), device=device, dtype=_F32)
-    if labels is None:
-        out[:b] = w
-    elif b:
-        out.index_add_(0, labels, w.expand(b))
-    return out
 
 
 def _gather_forward_fn(symmetric, backend, tile_size):
@@ -176,7 +164,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         w = _weight(grad, layout, symmetric)
         grad_col_all = None
         if symmetric:  # b_j from each key's owner (its own upstream weight), for all M keys
-            grad_col_all = all_gather_rows(_column_weights(w, labels, b, key.shape[0], key.device),
+            grad_col_all = all_gather_rows(column_weights(w, labels, b, key.shape[0]),
                                            layout.key_sizes, group)
         if b:
             # Query i's positive is key key_offset + l_i of key_all.
@@ -227,7 +215,7 @@ class RingInfoNCEFunction(torch.autograd.Function):
         symmetric, backend, tile_size, layout, group = ctx.options
         b, m = query.shape[0], key.shape[0]
         w = _weight(grad, layout, symmetric)
-        grad_col = _column_weights(w, labels, b, m, key.device) if symmetric else None
+        grad_col = column_weights(w, labels, b, m) if symmetric else None
         dq, dk, ds = _ring_backward(
             query, key, s, labels, False, symmetric, backend, tile_size, layout, group, row, col,
             w.expand(b), grad_col, grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b),

@@ -27,7 +27,7 @@ import torch
 from ds_infcl.ops.infonce_graph import graph_for
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 
-__all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce"]
+__all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
 
 
 class InfoNCEFunction(torch.autograd.Function):
@@ -73,20 +73,25 @@ def _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend,
     grad = grad.float()
     w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
     grad_pos = (grad * (-1.0 / b)).expand(b)
-    grad_col = None
-    if symmetric:
-        if labels is None and m == b:  # CLIP: every key is one query's positive
-            grad_col = w.expand(m)
-        else:  # w times the number of queries whose positive is key j (bincount would sync)
-            grad_col = torch.zeros((m,), device=query.device, dtype=torch.float32)
-            if labels is None:
-                grad_col[:b] = w
-            else:
-                grad_col.index_add_(0, labels, w.expand(b))
+    grad_col = column_weights(w, labels, b, m) if symmetric else None
     return lse_backward(
         query, key, s, row, col, w.expand(b), grad_col,
         labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
     )
+
+
+def column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: int) -> torch.Tensor:
+    """``[m]`` float32 upstream weights of the keys' column LSE: ``w`` (0-dim) times the number of
+    the ``b`` queries whose positive is key j (``labels``, default the diagonal). No bincount: that
+    would sync. Also the distributed InfoNCE's (``ds_infcl.loss.ring_fused``)."""
+    if labels is None and m == b:  # CLIP: every key is one query's positive
+        return w.expand(m)
+    out = torch.zeros((m,), device=w.device, dtype=torch.float32)
+    if labels is None:
+        out[:b] = w
+    elif b:
+        out.index_add_(0, labels, w.expand(b))
+    return out
 
 
 def _passes(symmetric, backend, tile_size):

@@ -12,8 +12,8 @@ How:
 
 - A call becomes a candidate when the Triton backend runs it on the current CUDA device, nothing
   is being captured already (a caller's own ``torch.cuda.graph`` records the eager kernels),
-  torch.compile is not tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is at most
-  ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^28: 16,384 x 16,384; the GPU's work of such a call is about
+  torch.compile is not tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is
+  at most ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^28: 16,384 x 16,384; the GPU's work of such a call is about
   2.7 ms on an H200, beyond which the host's ~1.5 ms hide behind it anyway).
   ``DS_INFCL_CUDA_GRAPH=1`` graphs every size, ``0`` none.
 - The first call of a shape runs eagerly (it compiles the kernels); the second captures both
@@ -39,7 +39,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS", "MAX_GRAPHS"]
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS",
+           "MAX_GRAPHS"]
 
 
 def _check_mode(value: str) -> str:
@@ -48,7 +49,6 @@ def _check_mode(value: str) -> str:
     return value
 
 
-CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
 def _positive_int(name: str, default: int) -> int:
     text = os.environ.get(name, str(default))
     try:
@@ -60,6 +60,7 @@ def _positive_int(name: str, default: int) -> int:
     return value
 
 
+CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
 MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
 MAX_GRAPHS = 4
 
@@ -75,13 +76,23 @@ def clear_graphs() -> None:
     _FAILED.clear()
 
 
-def _eligible(query: torch.Tensor, key: torch.Tensor, backend: str) -> bool:
+def _eligible(tensor: torch.Tensor, backend: str, logits: int) -> bool:
+    """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph."""
     mode = _check_mode(CUDA_GRAPH)
-    if mode == "0" or backend != "triton" or not query.is_cuda or query.device.index != torch.cuda.current_device():
+    if mode == "0" or backend != "triton" or not tensor.is_cuda or tensor.device.index != torch.cuda.current_device():
         return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return False
-    return mode == "1" or query.shape[0] * key.shape[0] <= MAX_LOGITS
+    return mode == "1" or logits <= MAX_LOGITS
+
+
+def _warm_up(device: torch.device, run) -> None:
+    """``run()`` once on a side stream before a capture (lazy allocations, cuBLAS handles)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _graph_key(query, key, scale, labels, symmetric, tile_size):
@@ -106,13 +117,12 @@ class GraphedInfoNCE:
         self.labels = None if labels is None else labels.clone()
         self.grad = torch.ones((), device=dev, dtype=torch.float32)
         self.replays = 0  # replays of either graph: tells a backward whether its inputs are still here
-        # Warm up on a side stream (lazy allocations, cuBLAS handles), then capture.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            loss, row, col = forward_fn(self.q, self.k, self.s, self.labels)
+
+        def both_passes():
+            _, row, col = forward_fn(self.q, self.k, self.s, self.labels)
             backward_fn(self.q, self.k, self.s, self.labels, row, col, self.grad)
-        torch.cuda.current_stream(dev).wait_stream(side)
+
+        _warm_up(dev, both_passes)
         self.fwd = torch.cuda.CUDAGraph()
         # thread_local: other threads' CUDA calls (a loader's pinned memory) stay legal meanwhile.
         with torch.cuda.graph(self.fwd, capture_error_mode="thread_local"):
@@ -179,7 +189,7 @@ def _lookup(k, build, what: str):
 def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_fn: ForwardFn,
               backward_fn: BackwardFn) -> Optional[GraphedInfoNCE]:
     """The graphs of this call's shape, captured on its second occurrence; ``None``: run eagerly."""
-    if not _eligible(query, key, backend):
+    if not _eligible(query, backend, query.shape[0] * key.shape[0]):
         return None
     k = _graph_key(query, key, scale, labels, symmetric, tile_size)
     return _lookup(k, lambda: GraphedInfoNCE(query, key, scale, labels, forward_fn, backward_fn),
@@ -194,11 +204,7 @@ class GraphedCall:
     def __init__(self, fn, args):
         dev = next(a.device for a in args if a is not None)
         self.args = [None if a is None else a.detach().clone() for a in args]
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            fn(*self.args)
-        torch.cuda.current_stream(dev).wait_stream(side)
+        _warm_up(dev, lambda: fn(*self.args))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = fn(*self.args)
@@ -218,11 +224,7 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str):
     doc, ``logits`` standing for ``b m``); ``tag`` and ``options`` (hashable) name the computation.
     Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its local kernels,
     between its collectives."""
-    first = next(a for a in args if a is not None)
-    mode = _check_mode(CUDA_GRAPH)
-    if (mode == "0" or backend != "triton" or not first.is_cuda or first.device.index != torch.cuda.current_device()
-            or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
-            or (mode == "auto" and logits > MAX_LOGITS)):
+    if not _eligible(next(a for a in args if a is not None), backend, logits):
         return fn(*args)
     k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
     graphed = _lookup(k, lambda: GraphedCall(fn, args), f"{tag} {k[2:]}")

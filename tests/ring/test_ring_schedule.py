@@ -132,8 +132,8 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
 
     monkeypatch.delenv("DS_INFCL_ALGORITHM", raising=False)
     # 2 ranks: gather up to GATHER_MAX_LOCAL rows per rank, the ring above (measured on H200s).
-    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL), 512, 2, True) == "gather"
-    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL + 1), 512, 2, True) == "ring"
+    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL), 512, 2) == "gather"
+    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL + 1), 512, 2) == "ring"
     # More ranks: gather while the gathered keys and their float32 gradient fit the byte cap.
     def fits(b, world):
         return world * b * 512 * (2 + 4) <= ring_mod.GATHER_MAX_BYTES
@@ -141,20 +141,20 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
     assert ring_mod.gather_bytes(layout(1000, world=4), 512, 2) == 4 * 1000 * 512 * 6
     big = ring_mod.GATHER_MAX_LOCAL * 2
     assert fits(big, 4) and not fits(big, 8)  # the default cap sits between these
-    assert ring_mod.choose_algorithm(layout(big, world=4), 512, 2, True) == "gather"
-    assert ring_mod.choose_algorithm(layout(big, world=8), 512, 2, True) == "ring"
+    assert ring_mod.choose_algorithm(layout(big, world=4), 512, 2) == "gather"
+    assert ring_mod.choose_algorithm(layout(big, world=8), 512, 2) == "ring"
     # One more row past the cap at 128 ranks: the ring, even for small per-rank batches.
     rows = ring_mod.GATHER_MAX_BYTES // (128 * 512 * 6) + 1
     assert rows <= ring_mod.GATHER_MAX_LOCAL
-    assert ring_mod.choose_algorithm(layout(rows - 1, world=128), 512, 2, True) == "gather"
-    assert ring_mod.choose_algorithm(layout(rows, world=128), 512, 2, True) == "ring"
+    assert ring_mod.choose_algorithm(layout(rows - 1, world=128), 512, 2) == "gather"
+    assert ring_mod.choose_algorithm(layout(rows, world=128), 512, 2) == "ring"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
-    assert ring_mod.choose_algorithm(layout(16), 512, 2, True) == "ring"
+    assert ring_mod.choose_algorithm(layout(16), 512, 2) == "ring"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
-    assert ring_mod.choose_algorithm(layout(10**6), 512, 2, True) == "gather"
+    assert ring_mod.choose_algorithm(layout(10**6), 512, 2) == "gather"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
     with pytest.raises(ValueError, match="DS_INFCL_ALGORITHM"):
-        ring_mod.choose_algorithm(layout(16), 512, 2, True)
+        ring_mod.choose_algorithm(layout(16), 512, 2)
 
 
 def test_the_exchange_overlaps_small_blocks_only(monkeypatch):
