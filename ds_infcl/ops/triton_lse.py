@@ -61,8 +61,10 @@ import torch
 import triton
 
 from ds_infcl.ops.triton_lse_kernels import (
+    _block_range_kernel,
     _lse_bwd_g_kernel,
     _lse_fwd_kernel,
+    _lse_fwd_keymajor_kernel,
     _merge_stats_kernel,
     _positive_kernel,
     _scale_out_kernel,
@@ -133,6 +135,9 @@ PROGRAMS_PER_SM = 1
 SHARED_SHIFT = os.environ.get("DS_INFCL_TRITON_SHARED_SHIFT", "1") == "1"
 # Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
 EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
+# Both directions: walk the query blocks under each key block, columns reduced once per key block
+# (``_lse_fwd_keymajor_kernel``); 0 takes the tile-wide-shift kernel (``_lse_fwd_kernel``).
+KEY_MAJOR = os.environ.get("DS_INFCL_TRITON_KEY_MAJOR", "1") == "1"
 # One exponential per logit in the backward of both directions (range check, exact fallback).
 ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
 
@@ -275,8 +280,10 @@ def lse_forward_triton(
     groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, programs)
     kblocks_per_split = triton.cdiv(num_kblocks, splits)
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
-    # Every slot is written by the kernel (column slots on each program's first query block).
+    # Every slot is written by the kernel (each program starts its slots itself).
     row_part = torch.empty((splits, b), device=device, dtype=torch.float32)
+    key_major = compute_col and KEY_MAJOR
+    row_sum = torch.empty((splits, b), device=device, dtype=torch.float32) if key_major else row_part
     if compute_col:
         col_max = torch.empty((groups, m), device=device, dtype=torch.float32)
         col_sum = torch.empty((groups, m), device=device, dtype=torch.float32)
@@ -284,15 +291,21 @@ def lse_forward_triton(
         col_max = col_sum = row_part  # unused pointers
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
     with _on_device(query):
-        _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
-            query, key, lab, row_part, col_max, col_sum, _scale_arg(scale, device),
-            b, m, c, query.stride(0), key.stride(0),
-            num_qblocks, kblocks_per_split, num_kblocks,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EXCLUDE=exclude_positive, HAS_LABELS=has_labels, COMPUTE_COL=compute_col,
-            SHARED_SHIFT=SHARED_SHIFT, **cfg.launch_opts(),
-            **_kernel_flags(query, c, cfg.block_k),
-        )
+        common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      EXCLUDE=exclude_positive, HAS_LABELS=has_labels, **cfg.launch_opts(),
+                      **_kernel_flags(query, c, cfg.block_k))
+        if key_major:
+            _LAST_KERNELS["fwd"] = _lse_fwd_keymajor_kernel[(groups, splits)](
+                query, key, lab, row_part, row_sum, col_max, col_sum, _scale_arg(scale, device),
+                b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
+                **common,
+            )
+        else:
+            _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
+                query, key, lab, row_part, col_max, col_sum, _scale_arg(scale, device),
+                b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
+                COMPUTE_COL=compute_col, SHARED_SHIFT=SHARED_SHIFT, **common,
+            )
         if splits == 1 and not compute_col:
             return row_part[0], None
         row = torch.empty((b,), device=device, dtype=torch.float32)
@@ -301,8 +314,8 @@ def lse_forward_triton(
         row_blocks = triton.cdiv(b, block)
         grid = row_blocks + (triton.cdiv(m, block) if compute_col else 0)
         _merge_stats_kernel[(grid,)](
-            row_part, splits, b, row, col_max, col_sum, groups, m, col, row_blocks,
-            BLOCK=block, COMPUTE_COL=compute_col, num_warps=4,
+            row_part, row_sum, splits, b, row, col_max, col_sum, groups, m, col, row_blocks,
+            BLOCK=block, COMPUTE_COL=compute_col, ROW_HAS_SUM=key_major, num_warps=4,
         )
     return row, (col if compute_col else None)
 
@@ -517,12 +530,21 @@ def lse_backward_triton(
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
+    # Per-block ranges of the statistics for the one-exponential check (one small launch).
+    rng, n_rb, n_cb = s_t, triton.cdiv(b, cfg.block_m), triton.cdiv(m, cfg.block_n)
+    if has_row and has_col and ONE_EXP:
+        rng = torch.empty((2 * (n_rb + n_cb),), device=device, dtype=f32)
+        with _on_device(query):
+            _block_range_kernel[(n_rb + n_cb,)](r2, b, cl2, m, rng, n_rb, n_cb,
+                                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4)
 
     def launch_g(g, i0, j0, rows, cols, block):
+        if i0 % cfg.block_m or j0 % cfg.block_n:
+            raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
         _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-            query, key, lab, r2, a, cl2, w, p, g, s_t,
-            i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp,
+            query, key, lab, r2, a, cl2, w, p, g, s_t, rng,
+            i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp, n_rb, n_cb,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
             HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,

@@ -174,9 +174,113 @@ def _lse_fwd_kernel(
 
 
 @triton.jit
+def _lse_fwd_keymajor_kernel(
+    q_ptr, k_ptr, lab_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
+    b, m, c, stride_q, stride_k,
+    num_qblocks, kblocks_per_split, num_kblocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr,
+):
+    """Both directions' partial statistics with no exchange between warps per tile.
+
+    Program ``(g, s)`` takes each key block of split ``s`` in turn and walks the query blocks
+    ``g, g + G, ...`` under it. Every tile is shifted per row by the row's own maximum ``r_i``
+    (a reduction inside one warp), so ``e = exp(x - r_i)`` gives the row sums, which are merged
+    into the program's slot ``(row_max, row_sum)[s, i]`` (no other program touches it). The same
+    ``e`` feeds the columns without reducing them per tile: a ``[BLOCK_M, BLOCK_N]`` register
+    accumulator keeps ``S += e * exp(r - M)`` with ``M`` the running maximum of each row position,
+    and only after the last query block are ``S`` and ``M`` reduced across threads, once per key
+    block, into ``(col_max, col_sum)[g, j]``. ``M`` bounds every logit it covers, so the pair is
+    exact when the column's sum is at least 2^-80 (what underflows is then below 2^-30 of it); a
+    key block that fails the check takes its columns again with per-tile column shifts.
+    """
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_g = tl.num_programs(0)
+    scale = tl.load(scale_ptr)
+    kb_lo = pid_s * kblocks_per_split
+    kb_hi = tl.minimum(kb_lo + kblocks_per_split, num_kblocks)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    for kb in range(kb_lo, kb_hi):
+        offs_n = kb * BLOCK_N + arange_n
+        col_ok = offs_n < m
+        cols_full = (kb + 1) * BLOCK_N <= m
+        acc_s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        run_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for qb in range(pid_g, num_qblocks, num_g):
+            offs_m = qb * BLOCK_M + arange_m
+            row_ok = offs_m < b
+            # This program's row slot, loaded before the GEMM so its latency hides behind it; the
+            # first key block of the split starts it (no fill kernel).
+            slot = pid_s.to(tl.int64) * b + offs_m
+            seen = row_ok & (kb != kb_lo)
+            old_max = tl.load(row_max_ptr + slot, mask=seen, other=float("-inf"))
+            old_sum = tl.load(row_sum_ptr + slot, mask=seen, other=0.0)
+            acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+            x = _scaled(acc, scale, EXACT_MUL)
+            if EXCLUDE or (not cols_full) or ((qb + 1) * BLOCK_M > b):
+                valid = row_ok[:, None] & col_ok[None, :]
+                if EXCLUDE:
+                    if HAS_LABELS:
+                        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+                    else:
+                        lab = offs_m
+                    valid = valid & (offs_n[None, :] != lab[:, None])
+                x = tl.where(valid, x, float("-inf"))
+                t_max = tl.max(x, axis=1)
+                t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)
+            else:  # an inner tile: nothing to mask, every row has a finite maximum
+                t_max = tl.max(x, axis=1)
+                t_safe = t_max
+            e = tl.exp2((x - t_safe[:, None]) * LOG2E)
+            t_sum = tl.sum(e, axis=1)
+            new_max, new_sum = _merge_max_sum(old_max, old_sum, t_max, t_sum)
+            tl.store(row_max_ptr + slot, new_max, mask=row_ok)
+            tl.store(row_sum_ptr + slot, new_sum, mask=row_ok)
+            # Columns: S = S * exp(M_old - M) + e * exp(r - M), M the running row-position max.
+            m_new = tl.maximum(run_m, t_max)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            keep = tl.exp2((run_m - m_safe) * LOG2E)
+            gain = tl.exp2((t_max - m_safe) * LOG2E)
+            acc_s = acc_s * keep[:, None] + e * gain[:, None]
+            run_m = m_new
+        c_max = tl.max(run_m, axis=0)
+        c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)
+        c_sum = tl.sum(acc_s * tl.exp2((run_m - c_safe) * LOG2E)[:, None], axis=0)
+        c_max_v = tl.zeros_like(c_sum) + c_max
+        least = tl.min(tl.where(col_ok, c_sum, 1.0), axis=0)
+        if least < 8.271806125530277e-25:  # 2^-80: take this key block's columns exactly
+            c_max_v = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+            c_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for qb in range(pid_g, num_qblocks, num_g):
+                offs_m = qb * BLOCK_M + arange_m
+                row_ok = offs_m < b
+                acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+                valid = row_ok[:, None] & col_ok[None, :]
+                if EXCLUDE:
+                    if HAS_LABELS:
+                        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+                    else:
+                        lab = offs_m
+                    valid = valid & (offs_n[None, :] != lab[:, None])
+                x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
+                t_cmax = tl.max(x, axis=0)
+                t_csafe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
+                t_csum = tl.sum(tl.exp2((x - t_csafe[None, :]) * LOG2E), axis=0)
+                c_max_v, c_sum = _merge_max_sum(c_max_v, c_sum, t_cmax, t_csum)
+        cslot = pid_g.to(tl.int64) * m + offs_n
+        tl.store(col_max_ptr + cslot, c_max_v, mask=col_ok)
+        tl.store(col_sum_ptr + cslot, c_sum, mask=col_ok)
+
+
+@triton.jit
 def _lse_bwd_g_kernel(
-    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr,
-    i0, j0, rows, cols, c, stride_q, stride_k, stride_a, stride_w, stride_p,
+    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr, rng_ptr,
+    i0, j0, rows, cols, c, stride_q, stride_k, stride_a, stride_w, stride_p, num_rblocks, num_cblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr,
@@ -200,7 +304,10 @@ def _lse_bwd_g_kernel(
     ``v_j = b_j exp(R - c_j)`` taken per row and per column. Exact when ``R - min_i r_i <= 80``
     (no ``u_i`` underflows) and ``R - min_j c_j <= 60`` (no ``v_j`` overflows, and a term lost to
     an underflowing ``exp(x - r_i)`` is below ``e^-27`` of its column's total); a tile outside
-    that range takes two exponentials.
+    that range takes two exponentials. The ranges come per block of rows and of columns from
+    ``rng_ptr`` (``_block_range_kernel``: max and min of each), so a tile reduces nothing across
+    its warps. A tile inside the block with no positive in it (the diagonal without labels) is
+    stored without masks.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -219,22 +326,17 @@ def _lse_bwd_g_kernel(
         cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
         cl = tl.where(cl == float("-inf"), 0.0, cl)
         w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
+    if HAS_ROW and HAS_COL:
+        if ONE_EXP:
+            bm = i0 // BLOCK_M + pid_m
+            bn = j0 // BLOCK_N + pid_n
+            r_hi = tl.load(rng_ptr + bm)
+            r_lo = tl.load(rng_ptr + num_rblocks + bm)
+            c_lo = tl.load(rng_ptr + 2 * num_rblocks + num_cblocks + bn)
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    in_bounds = row_ok[:, None] & col_ok[None, :]
-    valid = in_bounds
-    if EXCLUDE or HAS_POS:
-        if HAS_LABELS:
-            lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
-        else:
-            lab = offs_m
-    if EXCLUDE:
-        valid = valid & (offs_n[None, :] != lab[:, None])
     x = _scaled(acc, scale, EXACT_MUL)
     if HAS_ROW and HAS_COL:
-        r_hi = tl.max(tl.where(row_ok, r, float("-inf")), axis=0)
-        r_lo = tl.min(tl.where(row_ok, r, float("inf")), axis=0)
-        c_lo = tl.min(tl.where(col_ok, cl, float("inf")), axis=0)
         if ONE_EXP and (r_hi - r_lo <= 80.0) and (r_hi - c_lo <= 60.0):
             u = tl.exp2((r - r_hi) * LOG2E)
             v = w * tl.exp2((r_hi - cl) * LOG2E)
@@ -247,12 +349,59 @@ def _lse_bwd_g_kernel(
         g = w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
     else:
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    g = tl.where(valid, g, 0.0)
-    if HAS_POS:
-        p = tl.load(p_ptr + offs_m.to(tl.int64) * stride_p, mask=row_ok, other=0.0)
-        g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
     g_ptrs = g_ptr + loc_m.to(tl.int64)[:, None] * cols + loc_n[None, :]
-    tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+    inside = ((pid_m + 1) * BLOCK_M <= rows) & ((pid_n + 1) * BLOCK_N <= cols)
+    plain = inside
+    if EXCLUDE or HAS_POS:
+        if HAS_LABELS:
+            plain = False
+        else:  # the positives are the diagonal: does it cross this tile?
+            top = i0 + pid_m * BLOCK_M
+            left = j0 + pid_n * BLOCK_N
+            plain = inside & ((top >= left + BLOCK_N) | (left >= top + BLOCK_M))
+    if plain:
+        tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty))
+    else:
+        in_bounds = row_ok[:, None] & col_ok[None, :]
+        valid = in_bounds
+        if EXCLUDE or HAS_POS:
+            if HAS_LABELS:
+                lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+            else:
+                lab = offs_m
+        if EXCLUDE:
+            valid = valid & (offs_n[None, :] != lab[:, None])
+        g = tl.where(valid, g, 0.0)
+        if HAS_POS:
+            p = tl.load(p_ptr + offs_m.to(tl.int64) * stride_p, mask=row_ok, other=0.0)
+            g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
+        tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _block_range_kernel(r_ptr, b, cl_ptr, m, out_ptr, num_rblocks, num_cblocks,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Max and min of each ``BLOCK_M`` rows of ``r`` and each ``BLOCK_N`` entries of ``cl`` (a
+    statistic of -inf read as 0, as ``_lse_bwd_g_kernel`` reads it), for the one-exponential
+    range check of the backward: ``out = [rmax (num_rblocks), rmin, cmax (num_cblocks), cmin]``.
+    Programs below ``num_rblocks`` take the rows, the others the columns."""
+    pid = tl.program_id(0)
+    if pid < num_rblocks:
+        _block_range(r_ptr, b, pid, out_ptr + pid, out_ptr + num_rblocks + pid, BLOCK_M)
+    else:
+        blk = pid - num_rblocks
+        base = out_ptr + 2 * num_rblocks
+        _block_range(cl_ptr, m, blk, base + blk, base + num_cblocks + blk, BLOCK_N)
+
+
+@triton.jit
+def _block_range(x_ptr, n, blk, max_ptr, min_ptr, BLOCK: tl.constexpr):
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    v = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    v = tl.where(v == float("-inf"), 0.0, v)
+    tl.store(max_ptr, tl.max(tl.where(ok, v, float("-inf")), axis=0))
+    tl.store(min_ptr, tl.min(tl.where(ok, v, float("inf")), axis=0))
 
 
 @triton.jit
@@ -318,16 +467,17 @@ def _merge_parts(max_ptr, sum_ptr, num_parts, n, offs, ok, HAS_SUM: tl.constexpr
 
 
 @triton.jit
-def _merge_stats_kernel(row_part_ptr, num_splits, b, row_out_ptr, col_max_ptr, col_sum_ptr, num_groups, m,
-                        col_out_ptr, num_row_blocks, BLOCK: tl.constexpr, COMPUTE_COL: tl.constexpr):
+def _merge_stats_kernel(row_part_ptr, row_sum_ptr, num_splits, b, row_out_ptr, col_max_ptr, col_sum_ptr,
+                        num_groups, m, col_out_ptr, num_row_blocks, BLOCK: tl.constexpr,
+                        COMPUTE_COL: tl.constexpr, ROW_HAS_SUM: tl.constexpr):
     """The forward's partial statistics into LSE vectors, in one launch: programs below
-    ``num_row_blocks`` merge the ``[S, b]`` row LSEs, the others the ``[G, m]`` column (max, sum
-    of exp) pairs."""
+    ``num_row_blocks`` merge the ``[S, b]`` row partials (LSE values, or (max, sum of exp) pairs
+    with ``ROW_HAS_SUM``), the others the ``[G, m]`` column (max, sum of exp) pairs."""
     pid = tl.program_id(0)
     if pid < num_row_blocks:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         ok = offs < b
-        lse = _merge_parts(row_part_ptr, row_part_ptr, num_splits, b, offs, ok, False)
+        lse = _merge_parts(row_part_ptr, row_sum_ptr, num_splits, b, offs, ok, ROW_HAS_SUM)
         tl.store(row_out_ptr + offs, lse, mask=ok)
     elif COMPUTE_COL:
         offs = (pid - num_row_blocks) * BLOCK + tl.arange(0, BLOCK)
