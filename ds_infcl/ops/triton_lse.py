@@ -61,7 +61,7 @@ import torch
 import triton
 
 from ds_infcl.ops.triton_lse_kernels import (
-    _block_range_kernel,
+    _bwd_prep_kernel,
     _lse_bwd_g_kernel,
     _lse_fwd_kernel,
     _lse_fwd_keymajor_kernel,
@@ -182,9 +182,11 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
     if tiles < 2 * _num_sms(device):
         return _Config(64, 64, bk, 4, 3)
     if kind == "bwd" and dtype != torch.float32:
-        # 64 x 128 with 4 warps: 168 registers, 3 programs per SM (docs/kernels.md: backward
-        # 29.4 ms against 30.3 ms for 128 x 128 with 8 warps at b = 65,536, c = 512 on H100)
-        return _Config(64, 128, 64, 4, 3)
+        # 128 x 256 with 8 warps: each tile reads its operands from L2 once for twice the logits
+        # of 128 x 128 (docs/kernels.md: backward 25.7 ms against 27.9 ms for 64 x 128 with 4
+        # warps at b = 65,536, c = 512, 0.40 against 0.52 ms at 8,192, on H200). Its register
+        # spills sit in the out-of-range branch (two exponentials), which in-range tiles skip.
+        return _Config(128, 256, 64, 8, 3)
     # 128 x 128, 8 warps: one program per SM (255 registers); 14.7 ms against 14.9 ms for
     # 256 x 64 in the forward at b = 65,536, c = 512 on H100, 0.325 against 0.336 ms at 8,192
     return _Config(128, 128, bk, 8, 3)
@@ -530,20 +532,22 @@ def lse_backward_triton(
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
-    # Per-block ranges of the statistics for the one-exponential check (one small launch).
-    rng, n_rb, n_cb = s_t, triton.cdiv(b, cfg.block_m), triton.cdiv(m, cfg.block_n)
+    # The one-exponential backward's per-block ranges and column factors (one small launch).
+    rng = v = s_t
+    n_rb, n_cb = triton.cdiv(b, cfg.block_m), triton.cdiv(m, cfg.block_n)
     if has_row and has_col and ONE_EXP:
-        rng = torch.empty((2 * (n_rb + n_cb),), device=device, dtype=f32)
+        rng = torch.empty((n_rb + 2 * n_cb,), device=device, dtype=f32)
+        v = torch.empty((m,), device=device, dtype=f32)
         with _on_device(query):
-            _block_range_kernel[(n_rb + n_cb,)](r2, b, cl2, m, rng, n_rb, n_cb,
-                                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4)
+            _bwd_prep_kernel[(n_rb + n_cb,)](r2, b, cl2, w, sw, m, rng, v, n_rb, n_cb,
+                                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4)
 
     def launch_g(g, i0, j0, rows, cols, block):
         if i0 % cfg.block_m or j0 % cfg.block_n:
             raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
         _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
-            query, key, lab, r2, a, cl2, w, p, g, s_t, rng,
+            query, key, lab, r2, a, cl2, w, p, g, s_t, rng, v,
             i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp, n_rb, n_cb,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,

@@ -188,10 +188,11 @@ def _lse_fwd_keymajor_kernel(
     ``g, g + G, ...`` under it. Every tile is shifted per row by the row's own maximum ``r_i``
     (a reduction inside one warp), so ``e = exp(x - r_i)`` gives the row sums, which are merged
     into the program's slot ``(row_max, row_sum)[s, i]`` (no other program touches it). The same
-    ``e`` feeds the columns without reducing them per tile: a ``[BLOCK_M, BLOCK_N]`` register
-    accumulator keeps ``S += e * exp(r - M)`` with ``M`` the running maximum of each row position,
-    and only after the last query block are ``S`` and ``M`` reduced across threads, once per key
-    block, into ``(col_max, col_sum)[g, j]``. ``M`` bounds every logit it covers, so the pair is
+    ``e`` feeds the columns without reducing them per tile: a ``[BLOCK_M / 2, BLOCK_N]`` register
+    accumulator keeps ``S += e * exp(r - M)`` summed over rows i and i + 8 of each 16 (one thread
+    holds both in the MMA layout), with ``M`` the running maximum of each such pair of row
+    positions, and only after the last query block are ``S`` and ``M`` reduced across threads,
+    once per key block, into ``(col_max, col_sum)[g, j]``. ``M`` bounds every logit it covers, so the pair is
     exact when the column's sum is at least 2^-80 (what underflows is then below 2^-30 of it); a
     key block that fails the check takes its columns again with per-tile column shifts.
     """
@@ -207,8 +208,10 @@ def _lse_fwd_keymajor_kernel(
         offs_n = kb * BLOCK_N + arange_n
         col_ok = offs_n < m
         cols_full = (kb + 1) * BLOCK_N <= m
-        acc_s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        run_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        # Rows i and i + 8 of each 16 sit in one thread of the MMA layout: pairing them halves
+        # the column accumulator (the sum over the pair is inside the thread).
+        acc_s = tl.zeros([BLOCK_M // 16, 8, BLOCK_N], dtype=tl.float32)
+        run_m = tl.full([BLOCK_M // 16, 8], float("-inf"), dtype=tl.float32)
         for qb in range(pid_g, num_qblocks, num_g):
             offs_m = qb * BLOCK_M + arange_m
             row_ok = offs_m < b
@@ -240,16 +243,19 @@ def _lse_fwd_keymajor_kernel(
             new_max, new_sum = _merge_max_sum(old_max, old_sum, t_max, t_sum)
             tl.store(row_max_ptr + slot, new_max, mask=row_ok)
             tl.store(row_sum_ptr + slot, new_sum, mask=row_ok)
-            # Columns: S = S * exp(M_old - M) + e * exp(r - M), M the running row-position max.
-            m_new = tl.maximum(run_m, t_max)
+            # Columns: S = S * exp(M_old - M) + sum over the pair of e * exp(r - M), M the running
+            # maximum of each pair of row positions.
+            t_pair = tl.reshape(t_max, [BLOCK_M // 16, 2, 8])
+            m_new = tl.maximum(run_m, tl.max(t_pair, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             keep = tl.exp2((run_m - m_safe) * LOG2E)
-            gain = tl.exp2((t_max - m_safe) * LOG2E)
-            acc_s = acc_s * keep[:, None] + e * gain[:, None]
+            gain = tl.exp2((t_pair - m_safe[:, None, :]) * LOG2E)
+            e_pair = tl.reshape(e, [BLOCK_M // 16, 2, 8, BLOCK_N])
+            acc_s = acc_s * keep[:, :, None] + tl.sum(e_pair * gain[:, :, :, None], axis=1)
             run_m = m_new
-        c_max = tl.max(run_m, axis=0)
+        c_max = tl.max(tl.max(run_m, axis=1), axis=0)
         c_safe = tl.where(c_max == float("-inf"), 0.0, c_max)
-        c_sum = tl.sum(acc_s * tl.exp2((run_m - c_safe) * LOG2E)[:, None], axis=0)
+        c_sum = tl.sum(tl.sum(acc_s * tl.exp2((run_m - c_safe) * LOG2E)[:, :, None], axis=1), axis=0)
         c_max_v = tl.zeros_like(c_sum) + c_max
         least = tl.min(tl.where(col_ok, c_sum, 1.0), axis=0)
         if least < 8.271806125530277e-25:  # 2^-80: take this key block's columns exactly
@@ -279,7 +285,7 @@ def _lse_fwd_keymajor_kernel(
 
 @triton.jit
 def _lse_bwd_g_kernel(
-    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr, rng_ptr,
+    q_ptr, k_ptr, lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, g_ptr, scale_ptr, rng_ptr, v_ptr,
     i0, j0, rows, cols, c, stride_q, stride_k, stride_a, stride_w, stride_p, num_rblocks, num_cblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
@@ -299,15 +305,17 @@ def _lse_bwd_g_kernel(
     the float32 accumulator of the product that follows (see the launcher).
 
     With both directions and ``ONE_EXP``, one exponential per logit serves both terms:
-    ``exp(x - c_j) = exp(x - r_i) * exp(r_i - R) * exp(R - c_j)``, ``R`` the tile's largest row
-    LSE, so ``G_ij = exp(x_ij - r_i) * (a_i + u_i v_j)`` with ``u_i = exp(r_i - R)`` and
-    ``v_j = b_j exp(R - c_j)`` taken per row and per column. Exact when ``R - min_i r_i <= 80``
-    (no ``u_i`` underflows) and ``R - min_j c_j <= 60`` (no ``v_j`` overflows, and a term lost to
-    an underflowing ``exp(x - r_i)`` is below ``e^-27`` of its column's total); a tile outside
-    that range takes two exponentials. The ranges come per block of rows and of columns from
-    ``rng_ptr`` (``_block_range_kernel``: max and min of each), so a tile reduces nothing across
-    its warps. A tile inside the block with no positive in it (the diagonal without labels) is
-    stored without masks.
+    ``exp(x - c_j) = exp(x - r_i) * exp(r_i - L) * exp(L - c_j)``, ``L`` the smallest column LSE
+    of the tile's block of columns, so ``G_ij = exp(x_ij - r_i) * (a_i + u_i v_j)`` with
+    ``u_i = exp(r_i - L)`` per row and ``v_j = b_j exp(L - c_j)`` per column, which
+    ``_bwd_prep_kernel`` forms once for the whole backward (``v_ptr``), with the ranges per block
+    (``rng_ptr``: the largest row LSE of each block of rows, the smallest and largest column LSE
+    of each block of columns). Exact when ``max r - L <= 60`` (no ``u_i`` overflows, and a term
+    lost to an underflowing ``exp(x - r_i)`` is below ``e^-27`` of its column's total; a ``u_i``
+    that underflows carries terms below ``e^-87`` of it) and ``max c - L <= 60`` (no ``v_j``
+    underflows); a tile outside that range takes two exponentials. So a tile reduces nothing
+    across its warps and holds one column vector through its products. A tile inside the block
+    with no positive in it (the diagonal without labels) is stored without masks.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -322,26 +330,29 @@ def _lse_bwd_g_kernel(
         r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
         r = tl.where(r == float("-inf"), 0.0, r)
         a = tl.load(a_ptr + offs_m.to(tl.int64) * stride_a, mask=row_ok, other=0.0)
-    if HAS_COL:
+    one_exp = False
+    if HAS_ROW and HAS_COL:
+        if ONE_EXP:
+            r_hi = tl.load(rng_ptr + i0 // BLOCK_M + pid_m)
+            c_lo = tl.load(rng_ptr + num_rblocks + j0 // BLOCK_N + pid_n)
+            c_hi = tl.load(rng_ptr + num_rblocks + num_cblocks + j0 // BLOCK_N + pid_n)
+            one_exp = (r_hi - c_lo <= 60.0) & (c_hi - c_lo <= 60.0)
+            v = tl.load(v_ptr + offs_n, mask=col_ok, other=0.0)
+    elif HAS_COL:
         cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
         cl = tl.where(cl == float("-inf"), 0.0, cl)
         w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
-    if HAS_ROW and HAS_COL:
-        if ONE_EXP:
-            bm = i0 // BLOCK_M + pid_m
-            bn = j0 // BLOCK_N + pid_n
-            r_hi = tl.load(rng_ptr + bm)
-            r_lo = tl.load(rng_ptr + num_rblocks + bm)
-            c_lo = tl.load(rng_ptr + 2 * num_rblocks + num_cblocks + bn)
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     x = _scaled(acc, scale, EXACT_MUL)
     if HAS_ROW and HAS_COL:
-        if ONE_EXP and (r_hi - r_lo <= 80.0) and (r_hi - c_lo <= 60.0):
-            u = tl.exp2((r - r_hi) * LOG2E)
-            v = w * tl.exp2((r_hi - cl) * LOG2E)
+        if one_exp:
+            u = tl.exp2(tl.minimum(r - c_lo, 60.0) * LOG2E)  # the bound holds in range; rows past the end read r = 0
             g = tl.exp2((x - r[:, None]) * LOG2E) * (a[:, None] + u[:, None] * v[None, :])
-        else:
+        else:  # outside the range (or ONE_EXP off): two exponentials, the columns read here
+            cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
+            cl = tl.where(cl == float("-inf"), 0.0, cl)
+            w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
             g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
     elif HAS_ROW:
         g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
@@ -379,29 +390,30 @@ def _lse_bwd_g_kernel(
 
 
 @triton.jit
-def _block_range_kernel(r_ptr, b, cl_ptr, m, out_ptr, num_rblocks, num_cblocks,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Max and min of each ``BLOCK_M`` rows of ``r`` and each ``BLOCK_N`` entries of ``cl`` (a
-    statistic of -inf read as 0, as ``_lse_bwd_g_kernel`` reads it), for the one-exponential
-    range check of the backward: ``out = [rmax (num_rblocks), rmin, cmax (num_cblocks), cmin]``.
-    Programs below ``num_rblocks`` take the rows, the others the columns."""
+def _bwd_prep_kernel(r_ptr, b, cl_ptr, w_ptr, stride_w, m, rng_ptr, v_ptr, num_rblocks, num_cblocks,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the one-exponential backward reads per block (``_lse_bwd_g_kernel``), a statistic of
+    -inf read as 0: ``rng = [max r of each BLOCK_M rows, min c of each BLOCK_N columns, max c of
+    each]`` and ``v_j = w_j exp(min c of j's block - c_j)``. Programs below ``num_rblocks`` take
+    the rows, the others the columns."""
     pid = tl.program_id(0)
     if pid < num_rblocks:
-        _block_range(r_ptr, b, pid, out_ptr + pid, out_ptr + num_rblocks + pid, BLOCK_M)
+        offs_r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok_r = offs_r < b
+        r = tl.load(r_ptr + offs_r, mask=ok_r, other=0.0)
+        r = tl.where(r == float("-inf"), 0.0, r)
+        tl.store(rng_ptr + pid, tl.max(tl.where(ok_r, r, float("-inf")), axis=0))
     else:
         blk = pid - num_rblocks
-        base = out_ptr + 2 * num_rblocks
-        _block_range(cl_ptr, m, blk, base + blk, base + num_cblocks + blk, BLOCK_N)
-
-
-@triton.jit
-def _block_range(x_ptr, n, blk, max_ptr, min_ptr, BLOCK: tl.constexpr):
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    v = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    v = tl.where(v == float("-inf"), 0.0, v)
-    tl.store(max_ptr, tl.max(tl.where(ok, v, float("-inf")), axis=0))
-    tl.store(min_ptr, tl.min(tl.where(ok, v, float("inf")), axis=0))
+        offs_c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok_c = offs_c < m
+        cl = tl.load(cl_ptr + offs_c, mask=ok_c, other=0.0)
+        cl = tl.where(cl == float("-inf"), 0.0, cl)
+        lo = tl.min(tl.where(ok_c, cl, float("inf")), axis=0)
+        tl.store(rng_ptr + num_rblocks + blk, lo)
+        tl.store(rng_ptr + num_rblocks + num_cblocks + blk, tl.max(tl.where(ok_c, cl, float("-inf")), axis=0))
+        w = tl.load(w_ptr + offs_c.to(tl.int64) * stride_w, mask=ok_c, other=0.0)
+        tl.store(v_ptr + offs_c, w * tl.exp2((lo - tl.where(ok_c, cl, lo)) * LOG2E), mask=ok_c)
 
 
 @triton.jit
