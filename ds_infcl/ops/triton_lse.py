@@ -13,23 +13,27 @@ with ``a = dL/d row_lse`` and ``b = dL/d col_lse`` (either may be absent). A sta
 
 Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in reading order:
 
-* ``_lse_fwd_kernel``: a persistent grid of ``G x S`` programs. Program ``(g, s)`` walks the
-  query blocks ``g, g + G, g + 2G, ...`` and, for each, the key blocks of split ``s``. Each
-  ``[BLOCK_M, BLOCK_N]`` tile is one GEMM (fp32 accumulation, K-loop over ``c``) whose epilogue
-  updates the running row statistics (registers) *and* the column (max, sum of exp) of the tile,
-  merged into the program's own row of ``[G, m]`` buffers (read-modify-write without atomics: no
-  other program touches that slot; the program's first query block starts it, so the buffers
-  need no fill). One exponential per logit serves both directions (a tile-wide shift,
-  ``_tile_stats``, with an exact fallback). Row results land in a ``[S, b]`` buffer, and
-  ``_merge_stats_kernel`` merges both kinds of partials in one launch. Scratch is
-  ``(2 G m + S b)`` floats with ``G * S`` about one program per SM, so it stays linear in
-  ``b + m`` (never ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b``
-  (1,024) busy on every SM.
+* ``_lse_fwd_kernel``: a persistent grid of ``G x S`` programs. Program ``(g, s)`` takes the key
+  blocks of split ``s`` one by one and walks the query blocks ``g, g + G, g + 2G, ...`` under
+  each. Each ``[BLOCK_M, BLOCK_N]`` tile is one GEMM (fp32 accumulation, K-loop over ``c``). Its
+  epilogue shifts every row by the row's own maximum (a reduction inside one warp), so one
+  exponential per logit gives the row sums, merged into the program's own slot of ``[S, b]``
+  (max, sum) buffers (read-modify-write without atomics: no other program touches it), and feeds
+  a register accumulator of the columns that is reduced across threads only once per key block,
+  into the program's slot of ``[G, m]`` (max, sum) buffers (exact when a column's sum is at
+  least 2^-80 of its shift; a key block that fails takes its columns again with per-tile
+  shifts). ``_lse_fwd_rows_kernel`` is the row-only variant (``compute_col=False``): row
+  statistics kept in registers across the key blocks of a split, LSEs in ``[S, b]``.
+  ``_merge_stats_kernel`` merges the partials in one launch. Scratch is ``2 (G m + S b)`` floats
+  with ``G * S`` about one program per SM, so it stays linear in ``b + m`` (never
+  ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
+  every SM.
 * ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
   pre-scaled by a power of two in fp16, which would underflow) for a bounded block of
   ``CHUNK_ROWS x CHUNK_COLS`` pairs; both directions take one exponential per logit (per-row and
-  per-column factors, range-checked per tile); the loss's positive terms are added to ``G`` at
-  each row's positive. The two products ``dq += G @ k`` and ``dk += G^T @ q`` of that block run
+  per-column factors, range-checked per tile from per-block ranges that ``_bwd_prep_kernel``
+  forms once per backward, with the column factors); the loss's positive terms are added to
+  ``G`` at each row's positive. The two products ``dq += G @ k`` and ``dk += G^T @ q`` of that block run
   on the vendor GEMM with fp32 accumulation into fp32 (the first product into a slice overwrites
   it: no zero fills). Why not accumulate ``dq``/``dk`` inside the tile kernel: with ``c`` up to
   1,024 neither ``[BLOCK, c]`` accumulator fits in registers, so a fused kernel must add
@@ -64,7 +68,7 @@ from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
     _lse_fwd_kernel,
-    _lse_fwd_keymajor_kernel,
+    _lse_fwd_rows_kernel,
     _merge_stats_kernel,
     _positive_kernel,
     _scale_out_kernel,
@@ -131,13 +135,8 @@ _LAST_KERNELS: dict = {}
 # Programs of the persistent forward grid per SM. Its kernel takes ~255 registers per thread,
 # so one program fits an SM; a second one per SM only queues (measured 27% slower on H200).
 PROGRAMS_PER_SM = 1
-# One exponential per logit in the forward (tile-wide shift, exact fallback per tile).
-SHARED_SHIFT = os.environ.get("DS_INFCL_TRITON_SHARED_SHIFT", "1") == "1"
 # Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
 EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
-# Both directions: walk the query blocks under each key block, columns reduced once per key block
-# (``_lse_fwd_keymajor_kernel``); 0 takes the tile-wide-shift kernel (``_lse_fwd_kernel``).
-KEY_MAJOR = os.environ.get("DS_INFCL_TRITON_KEY_MAJOR", "1") == "1"
 # One exponential per logit in the backward of both directions (range check, exact fallback).
 ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
 
@@ -284,29 +283,27 @@ def lse_forward_triton(
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
     # Every slot is written by the kernel (each program starts its slots itself).
     row_part = torch.empty((splits, b), device=device, dtype=torch.float32)
-    key_major = compute_col and KEY_MAJOR
-    row_sum = torch.empty((splits, b), device=device, dtype=torch.float32) if key_major else row_part
+    row_sum = torch.empty((splits, b), device=device, dtype=torch.float32) if compute_col else row_part
     if compute_col:
         col_max = torch.empty((groups, m), device=device, dtype=torch.float32)
         col_sum = torch.empty((groups, m), device=device, dtype=torch.float32)
-    else:
-        col_max = col_sum = row_part  # unused pointers
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
     with _on_device(query):
         common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       EXCLUDE=exclude_positive, HAS_LABELS=has_labels, **cfg.launch_opts(),
                       **_kernel_flags(query, c, cfg.block_k))
-        if key_major:
-            _LAST_KERNELS["fwd"] = _lse_fwd_keymajor_kernel[(groups, splits)](
+        if compute_col:
+            _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
                 query, key, lab, row_part, row_sum, col_max, col_sum, _scale_arg(scale, device),
                 b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
                 **common,
             )
         else:
-            _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
-                query, key, lab, row_part, col_max, col_sum, _scale_arg(scale, device),
+            col_max = col_sum = row_part  # unused pointers
+            _LAST_KERNELS["fwd"] = _lse_fwd_rows_kernel[(groups, splits)](
+                query, key, lab, row_part, _scale_arg(scale, device),
                 b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
-                COMPUTE_COL=compute_col, SHARED_SHIFT=SHARED_SHIFT, **common,
+                **common,
             )
         if splits == 1 and not compute_col:
             return row_part[0], None
@@ -317,7 +314,7 @@ def lse_forward_triton(
         grid = row_blocks + (triton.cdiv(m, block) if compute_col else 0)
         _merge_stats_kernel[(grid,)](
             row_part, row_sum, splits, b, row, col_max, col_sum, groups, m, col, row_blocks,
-            BLOCK=block, COMPUTE_COL=compute_col, ROW_HAS_SUM=key_major, num_warps=4,
+            BLOCK=block, COMPUTE_COL=compute_col, ROW_HAS_SUM=compute_col, num_warps=4,
         )
     return row, (col if compute_col else None)
 

@@ -10,8 +10,6 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-
-
 @triton.jit
 def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -67,62 +65,17 @@ def _merge_max_sum(m1, s1, m2, s2):
 
 
 @triton.jit
-def _tile_stats(x, row_ok, col_ok, SHARED_SHIFT: tl.constexpr):
-    """(max, sum of exp(x - max)) of every row and every column of a tile of logits ``x``.
-
-    Column statistics need a reduction across the rows, i.e. across warps. With ``SHARED_SHIFT``
-    the tile is shifted by its single maximum ``C``: one exponential per entry serves both the row
-    sums and the column sums, and no per-column maximum is reduced. That is exact as long as every
-    row and every column of the tile has a sum of ``exp(x - C)`` of at least 2^-80 (its largest
-    entry is then far inside the fp32 range, and what flushes to zero is below 2^-40 of it); a
-    tile that fails the check (rare: a spread of ~55 in the logits of one tile) takes the
-    per-row / per-column shifts.
-    """
-    if SHARED_SHIFT:
-        t_rmax = tl.max(x, axis=1)
-        t_max = tl.max(t_rmax, axis=0)
-        t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)
-        e = tl.exp2((x - t_safe) * LOG2E)
-        t_rsum = tl.sum(e, axis=1)
-        t_csum = tl.sum(e, axis=0)
-        least_row = tl.min(tl.where(row_ok, t_rsum, 1.0), axis=0)
-        least_col = tl.min(tl.where(col_ok, t_csum, 1.0), axis=0)
-        use_exact = (least_row < 8.271806125530277e-25) | (least_col < 8.271806125530277e-25)  # 2^-80
-        t_rmax = tl.zeros_like(t_rsum) + t_max
-        t_cmax = tl.zeros_like(t_csum) + t_max
-        if use_exact:
-            t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
-    else:
-        t_rmax, t_rsum, t_cmax, t_csum = _tile_stats_exact(x)
-    return t_rmax, t_rsum, t_cmax, t_csum
-
-
-@triton.jit
-def _tile_stats_exact(x):
-    """Row and column statistics of a tile, each shifted by its own maximum (two exponentials)."""
-    t_rmax = tl.max(x, axis=1)
-    r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
-    t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
-    t_cmax = tl.max(x, axis=0)
-    c_safe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
-    t_csum = tl.sum(tl.exp2((x - c_safe[None, :]) * LOG2E), axis=0)
-    return t_rmax, t_rsum, t_cmax, t_csum
-
-
-@triton.jit
-def _lse_fwd_kernel(
-    q_ptr, k_ptr, lab_ptr, row_part_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
+def _lse_fwd_rows_kernel(
+    q_ptr, k_ptr, lab_ptr, row_part_ptr, scale_ptr,
     b, m, c, stride_q, stride_k,
     num_qblocks, kblocks_per_split, num_kblocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
-    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_COL: tl.constexpr,
-    SHARED_SHIFT: tl.constexpr,
+    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
-    """Partial statistics: ``row_part[s, i]`` = LSE of row i over the keys of split ``s``;
-    ``(col_max, col_sum)[g, j]`` = max and sum of ``exp(x - max)`` of column j over the query
-    blocks of group ``g`` (statistics of a tile: ``_tile_stats``).
-    """
+    """Row statistics only: ``row_part[s, i]`` = LSE of row i over the keys of split ``s``.
+    Program ``(g, s)`` walks the query blocks ``g, g + G, ...`` and, for each, the key blocks of
+    split ``s``, keeping each row's online (max, sum) in registers."""
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     num_g = tl.num_programs(0)
@@ -144,37 +97,22 @@ def _lse_fwd_kernel(
         for kb in range(kb_lo, kb_hi):
             offs_n = kb * BLOCK_N + arange_n
             col_ok = offs_n < m
-            if COMPUTE_COL:
-                # This program's slot (no other program touches col_*[pid_g, offs_n]); loaded
-                # before the GEMM so that its latency hides behind it. The program's first query
-                # block starts the slot (empty statistics), so the buffers need no initialization.
-                slot = pid_g.to(tl.int64) * m + offs_n
-                seen = col_ok & (qb != pid_g)
-                old_max = tl.load(col_max_ptr + slot, mask=seen, other=float("-inf"))
-                old_sum = tl.load(col_sum_ptr + slot, mask=seen, other=0.0)
             acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
             valid = row_ok[:, None] & col_ok[None, :]
             if EXCLUDE:
                 valid = valid & (offs_n[None, :] != lab[:, None])
             x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
-            if COMPUTE_COL:
-                t_rmax, t_rsum, t_cmax, t_csum = _tile_stats(x, row_ok, col_ok, SHARED_SHIFT)
-                new_max, new_sum = _merge_max_sum(old_max, old_sum, t_cmax, t_csum)
-                tl.store(col_max_ptr + slot, new_max, mask=col_ok)
-                tl.store(col_sum_ptr + slot, new_sum, mask=col_ok)
-            else:
-                t_rmax = tl.max(x, axis=1)
-                r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
-                t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
-            # Rows: online log-sum-exp across the key blocks of this split.
+            t_rmax = tl.max(x, axis=1)
+            r_safe = tl.where(t_rmax == float("-inf"), 0.0, t_rmax)
+            t_rsum = tl.sum(tl.exp2((x - r_safe[:, None]) * LOG2E), axis=1)
             m_i, l_i = _merge_max_sum(m_i, l_i, t_rmax, t_rsum)
         row_lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)) * LN2, float("-inf"))
         tl.store(row_part_ptr + pid_s.to(tl.int64) * b + offs_m, row_lse, mask=row_ok)
 
 
 @triton.jit
-def _lse_fwd_keymajor_kernel(
+def _lse_fwd_kernel(
     q_ptr, k_ptr, lab_ptr, row_max_ptr, row_sum_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
     b, m, c, stride_q, stride_k,
     num_qblocks, kblocks_per_split, num_kblocks,
@@ -182,7 +120,9 @@ def _lse_fwd_keymajor_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
     EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr,
 ):
-    """Both directions' partial statistics with no exchange between warps per tile.
+    """Both directions' partial statistics (``(row_max, row_sum)[s, i]`` and
+    ``(col_max, col_sum)[g, j]``, max and sum of ``exp(x - max)``), with no exchange between warps
+    per tile.
 
     Program ``(g, s)`` takes each key block of split ``s`` in turn and walks the query blocks
     ``g, g + G, ...`` under it. Every tile is shifted per row by the row's own maximum ``r_i``

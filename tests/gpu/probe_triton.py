@@ -73,16 +73,12 @@ for bm, bn, bk, w, st in [(128, 128, 64, 8, 3)]:
         print(f"{name} gemm {bm}x{bn}x{bk} w{w} s{st}: {ms:.3f} ms ({f2 / ms / 1e9:.0f} TFLOP/s)  {info(h)}")
 row, col = T.lse_forward_triton(q, k, 14.3)
 gr, gc = torch.full_like(row, 1 / b), torch.full_like(col, 1 / b)
-for shared in (True, False):
-    T.SHARED_SHIFT = shared
-    for cc in (True, False):
-        ms = bench(lambda: T.lse_forward_triton(q, k, 14.3, compute_col=cc))
-        print(f"fwd shared_shift={shared} compute_col={cc}: {ms:.3f} ms ({f2 / ms / 1e9:.0f} TFLOP/s)  "
-              f"{info(T._LAST_KERNELS['fwd'])}", flush=True)
-    ms = bench(lambda: T.lse_backward_triton(q, k, 14.3, row, col, gr, gc))
-    print(f"bwd shared_shift={shared}: {ms:.3f} ms ({3 * f2 / ms / 1e9:.0f} TFLOP/s)  {info(T._LAST_KERNELS['bwd'])}",
-          flush=True)
-T.SHARED_SHIFT = True
+for cc in (True, False):
+    ms = bench(lambda: T.lse_forward_triton(q, k, 14.3, compute_col=cc))
+    print(f"fwd compute_col={cc}: {ms:.3f} ms ({f2 / ms / 1e9:.0f} TFLOP/s)  "
+          f"{info(T._LAST_KERNELS['fwd'])}", flush=True)
+ms = bench(lambda: T.lse_backward_triton(q, k, 14.3, row, col, gr, gc))
+print(f"bwd: {ms:.3f} ms ({3 * f2 / ms / 1e9:.0f} TFLOP/s)  {info(T._LAST_KERNELS['bwd'])}", flush=True)
 T.CHUNK_ROWS = T.CHUNK_COLS = b
 G = torch.randn(b, b, device="cuda").bfloat16()
 dq = torch.zeros(b, c, device="cuda")
