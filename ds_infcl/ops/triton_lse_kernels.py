@@ -57,6 +57,20 @@ def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
 
 
 @triton.jit
+def _valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr):
+    """The tile's entries that count: in bounds and, with ``EXCLUDE``, not a row's positive
+    (``labels[i]``, or the diagonal without labels)."""
+    valid = row_ok[:, None] & col_ok[None, :]
+    if EXCLUDE:
+        if HAS_LABELS:
+            lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
+        else:
+            lab = offs_m
+        valid = valid & (offs_n[None, :] != lab[:, None])
+    return valid
+
+
+@triton.jit
 def _merge_max_sum(m1, s1, m2, s2):
     """Merge two (max, sum of exp(x - max)) statistics; a max of -inf carries a sum of 0."""
     m = tl.maximum(m1, m2)
@@ -165,14 +179,7 @@ def _lse_fwd_kernel(
                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
             x = _scaled(acc, scale, EXACT_MUL)
             if EXCLUDE or (not cols_full) or ((qb + 1) * BLOCK_M > b):
-                valid = row_ok[:, None] & col_ok[None, :]
-                if EXCLUDE:
-                    if HAS_LABELS:
-                        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
-                    else:
-                        lab = offs_m
-                    valid = valid & (offs_n[None, :] != lab[:, None])
-                x = tl.where(valid, x, float("-inf"))
+                x = tl.where(_valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE, HAS_LABELS), x, float("-inf"))
                 t_max = tl.max(x, axis=1)
                 t_safe = tl.where(t_max == float("-inf"), 0.0, t_max)
             else:  # an inner tile: nothing to mask, every row has a finite maximum
@@ -206,13 +213,7 @@ def _lse_fwd_kernel(
                 row_ok = offs_m < b
                 acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-                valid = row_ok[:, None] & col_ok[None, :]
-                if EXCLUDE:
-                    if HAS_LABELS:
-                        lab = tl.load(lab_ptr + offs_m, mask=row_ok, other=-1)
-                    else:
-                        lab = offs_m
-                    valid = valid & (offs_n[None, :] != lab[:, None])
+                valid = _valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE, HAS_LABELS)
                 x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
                 t_cmax = tl.max(x, axis=0)
                 t_csafe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
