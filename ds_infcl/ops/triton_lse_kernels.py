@@ -271,7 +271,6 @@ def _lse_bwd_g_kernel(
         r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
         r = tl.where(r == float("-inf"), 0.0, r)
         a = tl.load(a_ptr + offs_m.to(tl.int64) * stride_a, mask=row_ok, other=0.0)
-    one_exp = False
     if HAS_ROW and HAS_COL:
         if ONE_EXP:
             r_hi = tl.load(rng_ptr + i0 // BLOCK_M + pid_m)
@@ -287,14 +286,14 @@ def _lse_bwd_g_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     x = _scaled(acc, scale, EXACT_MUL)
     if HAS_ROW and HAS_COL:
-        if one_exp:
-            u = tl.exp2(tl.minimum(r - c_lo, 60.0) * LOG2E)  # the bound holds in range; rows past the end read r = 0
-            g = tl.exp2((x - r[:, None]) * LOG2E) * (a[:, None] + u[:, None] * v[None, :])
-        else:  # outside the range (or ONE_EXP off): two exponentials, the columns read here
-            cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-            cl = tl.where(cl == float("-inf"), 0.0, cl)
-            w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
-            g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
+        if ONE_EXP:
+            if one_exp:
+                u = tl.exp2(tl.minimum(r - c_lo, 60.0) * LOG2E)  # the bound holds in range; rows past the end read r = 0
+                g = tl.exp2((x - r[:, None]) * LOG2E) * (a[:, None] + u[:, None] * v[None, :])
+            else:  # outside the range: two exponentials
+                g = _g_two_exp(x, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w)
+        else:
+            g = _g_two_exp(x, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w)
     elif HAS_ROW:
         g = a[:, None] * tl.exp2((x - r[:, None]) * LOG2E)
     elif HAS_COL:
@@ -328,6 +327,15 @@ def _lse_bwd_g_kernel(
             p = tl.load(p_ptr + offs_m.to(tl.int64) * stride_p, mask=row_ok, other=0.0)
             g += tl.where(in_bounds & (offs_n[None, :] == lab[:, None]), p[:, None], 0.0)
         tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
+def _g_two_exp(x, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w):
+    """``G`` of both directions with one exponential per direction (the columns read here)."""
+    cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
+    cl = tl.where(cl == float("-inf"), 0.0, cl)
+    w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
+    return a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
 
 
 @triton.jit
