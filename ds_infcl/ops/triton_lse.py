@@ -57,7 +57,7 @@ bf16 operands are upcast to fp32 before ``tl.dot``, which the interpreter gets w
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 import os
 from typing import NamedTuple, Optional, Tuple, Union
 
@@ -240,14 +240,24 @@ def _scale_arg(scale, device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def _forward_grid(num_qblocks: int, num_kblocks: int, b: int, m: int, programs: int) -> Tuple[int, int]:
-    """``(G, S)``: query groups x key splits, about ``programs`` in all, minimising the scratch
-    ``G * m + S * b`` (optimum ``G / S = b / m``) within the block counts."""
+    """``(G, S)``: query groups x key splits of the persistent forward grid, at most ``programs``
+    (one wave: a program more than fit runs after the others, and the kernel takes twice as
+    long). Minimises the tiles of the busiest program, ``ceil(qblocks / G) * ceil(kblocks / S)``,
+    then the scratch ``G * m + S * b``; only split counts that divide the key blocks evenly
+    into ``ceil(kblocks / S)`` are candidates, as the launcher rounds them."""
     programs = max(1, min(programs, num_qblocks * num_kblocks))
-    splits = max(1, min(num_kblocks, round(math.sqrt(programs * m / max(b, 1)))))
-    groups = max(1, min(num_qblocks, triton.cdiv(programs, splits)))
-    splits = max(1, min(num_kblocks, triton.cdiv(programs, groups)))
-    return groups, splits
+    best = None
+    for splits in range(1, min(num_kblocks, programs) + 1):
+        per_split = triton.cdiv(num_kblocks, splits)
+        if triton.cdiv(num_kblocks, per_split) != splits:
+            continue  # the launcher would round this split count down
+        groups = min(num_qblocks, programs // splits)
+        key = (triton.cdiv(num_qblocks, groups) * per_split, groups * m + splits * b)
+        if best is None or key < best[0]:
+            best = (key, groups, splits)
+    return best[1], best[2]
 
 
 def lse_forward_triton(

@@ -164,6 +164,24 @@ def test_forward_grid_does_not_change_the_result(monkeypatch, programs_per_sm):
         assert rel_err(got, r) <= FP32_RTOL and rel_err(got, want) <= FP32_RTOL
 
 
+@pytest.mark.parametrize("b,m", [(65536, 65536), (32768, 65536), (65536, 32768), (65536, 131072),
+                                 (16384, 32768), (4096, 65536), (8192, 8192), (1000, 3000), (100, 100)])
+@pytest.mark.parametrize("programs", [132, 114, 78])
+def test_forward_grid_is_one_wave_and_balanced(b, m, programs):
+    # The persistent forward's grid never holds more programs than run at once (a second wave of
+    # a few programs doubled the kernel's time where m = 2b), and its busiest program has at most
+    # ~10% more tiles than an even share, when there are enough tiles to share.
+    nq, nk = -(-b // 128), -(-m // 128)
+    groups, splits = triton_lse._forward_grid(nq, nk, b, m, programs)
+    per_split = -(-nk // splits)
+    assert -(-nk // per_split) == splits  # what the launcher runs
+    assert 1 <= groups <= nq and groups * splits <= programs
+    busiest = -(-nq // groups) * per_split
+    even = nq * nk / programs
+    if even >= 16:
+        assert busiest <= 1.1 * even, (groups, splits, busiest, even)
+
+
 def test_autograd_function_with_triton_backend():
     # The differentiable op (ds_infcl.ops.tiled_lse) on backend="triton", upstream grads != 1.
     q, k = features(37, 53, 72, seed=6)
