@@ -164,6 +164,28 @@ def test_forward_grid_does_not_change_the_result(monkeypatch, programs_per_sm):
         assert rel_err(got, r) <= FP32_RTOL and rel_err(got, want) <= FP32_RTOL
 
 
+@pytest.mark.parametrize("exclude", [False, True])
+def test_forward_column_far_below_its_rows_takes_the_exact_pass(exclude):
+    # Every logit of key 5 sits ~140 below the maxima of the rows it meets: its share of the
+    # key-major forward's column accumulator underflows (below 2^-80 of the rows' shift), so its
+    # key block must take the exact per-tile pass. Without it that column's LSE would be -inf.
+    g = torch.Generator().manual_seed(21)
+    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)
+    q = torch.nn.functional.normalize(u + 0.05 * torch.randn(70, 16, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(45, 16, generator=g), dim=-1)
+    k[7] = u  # a key every query likes: the rows' maxima are high
+    k[5] = -u  # a key every query dislikes
+    row, col = triton_lse.lse_forward_triton(q, k, 100.0, exclude_positive=exclude)
+    x = (q.double() @ k.double().T) * 100.0
+    if exclude:
+        x[torch.arange(45), torch.arange(45)] = float("-inf")
+    assert (x[:, 5].max() - x.max(dim=1).values.min()) < -100  # the premise
+    want_row, want_col = torch.logsumexp(x, 1), torch.logsumexp(x, 0)
+    assert torch.isfinite(col).all()
+    assert (col.double() - want_col).abs().max() <= 1e-4 * want_col.abs().max()
+    assert (row.double() - want_row).abs().max() <= 1e-4 * want_row.abs().max()
+
+
 @pytest.mark.parametrize("b,m", [(65536, 65536), (32768, 65536), (65536, 32768), (65536, 131072),
                                  (16384, 32768), (4096, 65536), (8192, 8192), (1000, 3000), (100, 100)])
 @pytest.mark.parametrize("programs", [132, 114, 78])
