@@ -284,9 +284,11 @@ def ring_lse(
 # one run each at 2 and 4 ranks, 2026-11-26; docs/distributed.md): on 4 ranks the gather path is
 # faster at every size measured (4k-64k rows per rank: 3.0 vs 6.1 ms at 4k, 12.2 vs 13.1 at 16k,
 # 47.2 vs 48.5 at 32k, 183.3 vs 185.7 at 64k), on 2 ranks up to 16k (2.9 vs 4.1 ms at 8k; 6.2 vs
-# 6.3 at 16k) and the ring from 32k (23.5 vs 24.4 ms; 92.2 vs 109.9 at 64k). The byte cap keeps
-# the extra memory of the gather path at most 0.5 GiB (c = 512, bf16: M <= 174,762 keys); above
-# it the ring's memory does not grow with the world size.
+# 6.3 at 16k) and the ring from 32k (23.5 vs 24.4 ms; 92.2 vs 109.9 at 64k). That 2-rank gap was
+# the forward's grid (a second wave at b x 2b, since fixed): after it the two are even there
+# (21.0 vs 21.1 ms at 32k, 81.4 vs 80.0 at 64k), so the cap only keeps the measured choice.
+# The byte cap keeps the extra memory of the gather path at most 0.5 GiB (c = 512, bf16:
+# M <= 174,762 keys); above it the ring's memory does not grow with the world size.
 GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "16384"))
 GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 29)))
 _LAST = {"algorithm": None}

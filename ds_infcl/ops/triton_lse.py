@@ -25,7 +25,7 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
   shifts). ``_lse_fwd_rows_kernel`` is the row-only variant (``compute_col=False``): row
   statistics kept in registers across the key blocks of a split, LSEs in ``[S, b]``.
   ``_merge_stats_kernel`` merges the partials in one launch. Scratch is ``2 (G m + S b)`` floats
-  with ``G * S`` about one program per SM, so it stays linear in ``b + m`` (never
+  with ``G * S`` at most one program per SM (``_forward_grid``: one wave), so it stays linear in ``b + m`` (never
   ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
   every SM.
 * ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
@@ -186,8 +186,9 @@ def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: 
         # warps at b = 65,536, c = 512, 0.40 against 0.52 ms at 8,192, on H200). Its register
         # spills sit in the out-of-range branch (two exponentials), which in-range tiles skip.
         return _Config(128, 256, 64, 8, 3)
-    # 128 x 128, 8 warps: one program per SM (255 registers); 14.7 ms against 14.9 ms for
-    # 256 x 64 in the forward at b = 65,536, c = 512 on H100, 0.325 against 0.336 ms at 8,192
+    # 128 x 128, 8 warps: one program per SM (255 registers, no spills); the key-major forward
+    # takes 11.6 ms at b = 65,536, c = 512 on H200. 256 x 128 and 128 x 256 spill and gained 3%
+    # at most (docs/kernels.md, "Tile choices").
     return _Config(128, 128, bk, 8, 3)
 
 

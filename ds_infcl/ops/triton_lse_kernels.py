@@ -71,6 +71,14 @@ def _valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE: tl.constexpr, HAS_L
 
 
 @triton.jit
+def _load_lse(ptr, offs, ok):
+    """LSE statistics as the backward reads them: a statistic of -inf (every entry of that row or
+    column excluded) reads as 0, so its probabilities come out 0, never NaN; masked entries read 0."""
+    x = tl.load(ptr + offs, mask=ok, other=0.0)
+    return tl.where(x == float("-inf"), 0.0, x)
+
+
+@triton.jit
 def _merge_max_sum(m1, s1, m2, s2):
     """Merge two (max, sum of exp(x - max)) statistics; a max of -inf carries a sum of 0."""
     m = tl.maximum(m1, m2)
@@ -236,8 +244,8 @@ def _lse_bwd_g_kernel(
     """One tile of ``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)``, stored row-major
     ``[rows, cols]`` at ``g_ptr``.
 
-    ``r_ptr`` / ``cl_ptr`` hold the LSEs; a statistic of -inf (every entry of that row/column
-    excluded) is read as 0, so its probabilities are 0, never NaN. The weight vectors may have
+    ``r_ptr`` / ``cl_ptr`` hold the LSEs, read by ``_load_lse`` (a statistic of -inf reads as 0,
+    so its probabilities are 0, never NaN; ``_bwd_prep_kernel`` reads them the same way). The weight vectors may have
     stride 0 (one weight for all rows/columns). The logits are rounded
     exactly as in the forward (``_scaled``), so a probability near 1 comes out as 1. With
     ``HAS_POS``, ``p_ptr[i]`` (the upstream gradient of the positive logit ``x_{i, labels_i}``) is
@@ -268,8 +276,7 @@ def _lse_bwd_g_kernel(
     offs_m = i0 + loc_m
     offs_n = j0 + loc_n
     if HAS_ROW:
-        r = tl.load(r_ptr + offs_m, mask=row_ok, other=0.0)
-        r = tl.where(r == float("-inf"), 0.0, r)
+        r = _load_lse(r_ptr, offs_m, row_ok)
         a = tl.load(a_ptr + offs_m.to(tl.int64) * stride_a, mask=row_ok, other=0.0)
     if HAS_ROW and HAS_COL:
         if ONE_EXP:
@@ -279,8 +286,7 @@ def _lse_bwd_g_kernel(
             one_exp = (r_hi - c_lo <= 60.0) & (c_hi - c_lo <= 60.0)
             v = tl.load(v_ptr + offs_n, mask=col_ok, other=0.0)
     elif HAS_COL:
-        cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-        cl = tl.where(cl == float("-inf"), 0.0, cl)
+        cl = _load_lse(cl_ptr, offs_n, col_ok)
         w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
     acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
@@ -332,8 +338,7 @@ def _lse_bwd_g_kernel(
 @triton.jit
 def _g_two_exp(x, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w):
     """``G`` of both directions with one exponential per direction (the columns read here)."""
-    cl = tl.load(cl_ptr + offs_n, mask=col_ok, other=0.0)
-    cl = tl.where(cl == float("-inf"), 0.0, cl)
+    cl = _load_lse(cl_ptr, offs_n, col_ok)
     w = tl.load(w_ptr + offs_n.to(tl.int64) * stride_w, mask=col_ok, other=0.0)
     return a[:, None] * tl.exp2((x - r[:, None]) * LOG2E) + w[None, :] * tl.exp2((x - cl[None, :]) * LOG2E)
 
@@ -349,15 +354,13 @@ def _bwd_prep_kernel(r_ptr, b, cl_ptr, w_ptr, stride_w, m, rng_ptr, v_ptr, num_r
     if pid < num_rblocks:
         offs_r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         ok_r = offs_r < b
-        r = tl.load(r_ptr + offs_r, mask=ok_r, other=0.0)
-        r = tl.where(r == float("-inf"), 0.0, r)
+        r = _load_lse(r_ptr, offs_r, ok_r)
         tl.store(rng_ptr + pid, tl.max(tl.where(ok_r, r, float("-inf")), axis=0))
     else:
         blk = pid - num_rblocks
         offs_c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         ok_c = offs_c < m
-        cl = tl.load(cl_ptr + offs_c, mask=ok_c, other=0.0)
-        cl = tl.where(cl == float("-inf"), 0.0, cl)
+        cl = _load_lse(cl_ptr, offs_c, ok_c)
         lo = tl.min(tl.where(ok_c, cl, float("inf")), axis=0)
         tl.store(rng_ptr + num_rblocks + blk, lo)
         tl.store(rng_ptr + num_rblocks + num_cblocks + blk, tl.max(tl.where(ok_c, cl, float("-inf")), axis=0))
