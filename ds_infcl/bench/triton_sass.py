@@ -30,7 +30,8 @@ import tempfile
 DIV16 = {"b", "m", "c", "stride_q", "stride_k", "num_qblocks", "num_kblocks", "rows", "cols", "i0", "j0"}
 FLOAT_PTRS = {"row_part_ptr", "row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr", "scale_ptr", "r_ptr",
               "a_ptr", "cl_ptr", "w_ptr", "p_ptr", "rng_ptr", "v_ptr"}
-DEFAULTS = {"fwd": ["128,128,64,8,3"], "fwd_rows": ["128,128,64,8,3"], "bwd": ["128,256,64,8,3"]}
+DEFAULTS = {"fwd": ["128,128,64,8,3"], "fwd_rows": ["128,128,64,8,3"], "bwd": ["128,256,64,8,3"],
+            "bwd_gluon": ["128,128,32,4,2"]}
 
 
 def _kernel(name):
@@ -47,6 +48,9 @@ VARIANTS = {
     "bwd": [dict(EXCLUDE=True, HAS_LABELS=True), dict(HAS_COL=False, HAS_POS=False),
             dict(HAS_ROW=False, HAS_POS=False), dict(ONE_EXP=False), dict(dtype="fp16", EVEN_K=False),
             dict(dtype="fp32")],
+    # The Gluon backward (bf16/fp16 only): labels with exclusion, one-sided, two exponentials.
+    "bwd_gluon": [dict(EXCLUDE=True, HAS_LABELS=True), dict(HAS_COL=False, HAS_POS=False),
+                  dict(HAS_ROW=False, HAS_POS=False), dict(ONE_EXP=False), dict(dtype="fp16")],
 }
 
 
@@ -57,12 +61,14 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if name == "bwd_gluon":
+        return compile_gluon_for_hopper(config, dtype, **flags)
     fn = _kernel(name)
     bm, bn, bk, warps, stages, *rest = (int(v) for v in config.split(","))
     if dtype == "fp32":
         bk = min(bk, 32)  # as _pick_config: fp32 operands take twice the shared memory
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, PRECISION=1 if dtype == "fp32" else 0,
-                 UPCAST=False, EXACT_MUL=True, EXCLUDE=False, HAS_LABELS=False)
+                 UPCAST=False, EXACT_MUL=True, EXCLUDE=False, HAS_LABELS=False, FMA_EXP=dtype != "fp32")
     if name == "bwd":
         const.update(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
     const.update(flags)
@@ -80,6 +86,49 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
     if rest and rest[0]:
         opts["maxnreg"] = rest[0]
     return triton.compile(ASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def compile_gluon_for_hopper(config: str, dtype: str = "bf16", **flags):
+    """``triton.compile`` of the Gluon backward (``gluon_lse_kernels._lse_bwd_g_hopper_kernel``)
+    for sm_90; ``config`` is "BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]"
+    as ``DS_INFCL_GLUON_TILES``, ``flags`` the epilogue switches (default: both directions, the
+    positive term, one exponential)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ds_infcl.ops import gluon_lse_kernels as G
+
+    bm, bn, bk, stages, consumers, *regs = (int(v) for v in config.split(","))
+    consumer_regs, producer_regs, maxnreg = (regs + [240, 24, 168][len(regs):])[:3]
+    switches = dict(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
+    switches.update(flags)
+    fn = G._lse_bwd_g_hopper_kernel
+    gdtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(shape):
+        layout = gl.NVMMASharedLayout.get_default_for(shape, gdtype)
+        return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
+
+    const = dict(STAGES=stages, FLAGS=G.g_flags(**switches), NCONS=consumers, CONSUMER_REGS=consumer_regs,
+                 PRODUCER_REGS=producer_regs)
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg.endswith("_desc"):
+            sig[arg] = desc({"q_desc": [bm, bk], "k_desc": [bn, bk], "g_desc": [bm, bn]}[arg])
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*i64" if arg == "lab_ptr" else "*fp32"
+        else:
+            sig[arg] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
+    opts = dict(num_warps=4)
+    if consumers == 2:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=opts)
 
 
 def summarize(compiled) -> str:
@@ -106,8 +155,10 @@ def summarize(compiled) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", default=["fwd", "fwd_rows", "bwd"], choices=sorted(DEFAULTS))
-    ap.add_argument("--configs", nargs="+", default=None, help="BM,BN,BK,warps,stages[,maxnreg] (default: ours)")
+    ap.add_argument("--kernels", nargs="+", default=["fwd", "fwd_rows", "bwd", "bwd_gluon"], choices=sorted(DEFAULTS))
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="BM,BN,BK,warps,stages[,maxnreg] (bwd_gluon: BM,BN,BK,stages,consumers[,regs...]; "
+                         "default: ours)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--all-variants", action="store_true",
                     help="also compile the other flag combinations the launchers use (exclusion, labels, "
@@ -116,6 +167,8 @@ def main(argv=None) -> int:
     failed = 0
     for name in args.kernels:
         for cfg in args.configs or DEFAULTS[name]:
+            if name == "bwd_gluon" and args.dtype == "fp32":
+                continue  # the Gluon backward takes 16-bit operands only
             cases = [dict(dtype=args.dtype)] + (VARIANTS[name] if args.all_variants else [])
             for case in cases:
                 case = dict(case)

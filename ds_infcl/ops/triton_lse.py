@@ -64,6 +64,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 import triton
 
+from ds_infcl.ops import gluon_lse_kernels
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
@@ -139,6 +140,8 @@ PROGRAMS_PER_SM = 1
 EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
 # One exponential per logit in the backward of both directions (range check, exact fallback).
 ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
+# 16-bit inputs: each exponent's argument is one fused multiply-add (``_exp_shifted``).
+FMA_EXP = os.environ.get("DS_INFCL_TRITON_FMA_EXP", "1") == "1"
 
 
 _NUM_SMS: dict = {}
@@ -202,6 +205,53 @@ def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
         UPCAST=upcast,
         EXACT_MUL=(query.device.type == "cuda" and EXACT_MUL),
     )
+
+
+# The backward's G kernel on Hopper: the Gluon kernel (TMA producer warp, asynchronous MMAs,
+# persistent grid, TMA stores) with these tiles, or the Triton kernel.
+# BLOCK_M, BLOCK_N, BLOCK_K, stages per ring, consumer warpgroups: 2 x 4 x 16 KiB of rings and
+# 2 x 32 KiB of G staging (measured against 64-row, 64-column and 2-3 stage variants and one
+# consumer, docs/kernels.md).
+GLUON_TILES = (128, 128, 32, 4, 2)
+
+
+def _gluon_tiles() -> Tuple[int, ...]:
+    """``GLUON_TILES``, or ``DS_INFCL_GLUON_TILES="BM,BN,BK,stages,consumers[,consumer_regs,
+    producer_regs,maxnreg]"`` (tuning)."""
+    env = os.environ.get("DS_INFCL_GLUON_TILES")
+    return tuple(int(v) for v in env.split(",")) if env else GLUON_TILES
+
+
+def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the backward writes ``G`` with the Gluon kernel (``gluon_lse_kernels``):
+    ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit inputs whose rows are 16-byte
+    aligned (TMA), with Gluon in the installed Triton; ``0`` never; ``1`` requires it (an error
+    names what is missing)."""
+    mode = os.environ.get("DS_INFCL_GLUON", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"DS_INFCL_GLUON must be 'auto', '0' or '1', got {mode!r}")
+    if mode == "0":
+        return False
+    why = None
+    if not gluon_lse_kernels.AVAILABLE:
+        why = f"this Triton ({triton.__version__}) has no Gluon Hopper API"
+    elif query.device.type != "cuda" or _interpreting():
+        why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
+    elif torch.cuda.get_device_capability(query.device)[0] != 9:
+        why = f"the GPU is not Hopper (capability {torch.cuda.get_device_capability(query.device)})"
+    elif query.dtype not in (torch.float16, torch.bfloat16) or not FMA_EXP:
+        why = f"{query.dtype} inputs (or DS_INFCL_TRITON_FMA_EXP=0): the Gluon kernel takes 16-bit operands"
+    elif (query.shape[1] * query.element_size()) % 16 or query.data_ptr() % 16 or key.data_ptr() % 16:
+        why = "the feature rows are not 16-byte aligned (TMA needs c a multiple of 8 and aligned storage)"
+    if why is not None and mode == "1":
+        raise RuntimeError(f"DS_INFCL_GLUON=1, but the Gluon backward cannot run: {why}")
+    return why is None
+
+
+def _fma_exp(query: torch.Tensor) -> bool:
+    """Whether the LSE kernels take each exponent's argument as one fused multiply-add (16-bit
+    inputs, ``FMA_EXP``); float32 inputs keep the exact form."""
+    return FMA_EXP and query.dtype in (torch.float16, torch.bfloat16)
 
 
 def _check_inputs(query: torch.Tensor, key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +352,7 @@ def lse_forward_triton(
     with _on_device(query):
         common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       EXCLUDE=exclude_positive, HAS_LABELS=has_labels, **cfg.launch_opts(),
-                      **_kernel_flags(query, c, cfg.block_k))
+                      **_kernel_flags(query, c, cfg.block_k), FMA_EXP=_fma_exp(query))
         if compute_col:
             _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
                 query, key, lab, row_part, row_sum, col_max, col_sum, _scale_arg(scale, device),
@@ -538,7 +588,14 @@ def lse_backward_triton(
     if has_pos:
         p, sp = _weight_arg(grad_pos, gs)
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
-    cfg = _pick_config("bwd", b, m, c, query.dtype, device)
+    use_gluon = _use_gluon(query, key)
+    if use_gluon:  # the Triton kernel takes the same tiles where a block's rows are not aligned
+        gbm, gbn, gbk, stages, consumers, *gregs = _gluon_tiles()
+        cfg = _Config(gbm, gbn, gbk, 8, 3)
+        gflags = gluon_lse_kernels.g_flags(HAS_ROW=has_row, HAS_COL=has_col, HAS_POS=has_pos, EXCLUDE=exclude_positive,
+                                           HAS_LABELS=has_labels, ONE_EXP=ONE_EXP)
+    else:
+        cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
     # The one-exponential backward's per-block ranges and column factors (one small launch).
     rng = v = s_t
@@ -553,13 +610,19 @@ def lse_backward_triton(
     def launch_g(g, i0, j0, rows, cols, block):
         if i0 % cfg.block_m or j0 % cfg.block_n:
             raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
+        if use_gluon and (cols * g.element_size()) % 16 == 0:
+            _LAST_KERNELS["bwd"] = gluon_lse_kernels.launch_g_hopper(
+                query, key, g, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp, n_rb, n_cb, gflags,
+                gbm, gbn, gbk, stages, _num_sms(device), consumers=consumers,
+                **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
+            return
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
         _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
             query, key, lab, r2, a, cl2, w, p, g, s_t, rng, v,
             i0, j0, rows, cols, c, query.stride(0), key.stride(0), sa, sw, sp, n_rb, n_cb,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EXCLUDE=exclude_positive, HAS_LABELS=has_labels, HAS_ROW=has_row, HAS_COL=has_col,
-            HAS_POS=has_pos, ONE_EXP=ONE_EXP, **cfg.launch_opts(), **flags,
+            HAS_POS=has_pos, ONE_EXP=ONE_EXP, FMA_EXP=_fma_exp(query), **cfg.launch_opts(), **flags,
         )
 
     factor = s_t / gs if gs is not None else s_t

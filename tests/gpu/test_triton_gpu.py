@@ -199,3 +199,49 @@ def test_loss_step_is_cuda_graph_capturable(symmetric):
     for name, x, y in zip(["loss", "dq", "dk", "dscale"], replayed, eager):
         assert rel_err(x, y) <= (1e-6 if name in ("loss", "dscale") else 1e-3), f"{name}: {rel_err(x, y):.1e}"
     print(f"\ngraph replay == eager (symmetric={symmetric}, m={m}): loss {eager[0].item():.5f}")
+
+
+# The backward's G kernel: Gluon (TMA, warp-specialized, Hopper) and Triton on the same inputs,
+# each against the float64 reference. Shapes: rows and columns not multiples of the 128 tiles,
+# c not a multiple of the 32-wide K step (TMA zero-fills the tail), m % 8 != 0 (the last block of
+# G cannot take a TMA store: the Triton kernel writes it), b = 1, labels with exclusion.
+GLUON_CASES = [
+    (1, 300, 64, 14.3, "diagonal"),
+    (3000, 5000, 520, 14.3, "random"),
+    (777, 1003, 200, 100.0, "random"),
+    (9000, 9000, 512, 14.3, "diagonal"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon backward is for Hopper")
+@pytest.mark.parametrize("impl", ["gluon", "triton"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("b,m,c,scale,label_kind", GLUON_CASES)
+def test_backward_gluon_and_triton_match_fp64(b, m, c, scale, label_kind, dtype, impl, monkeypatch):
+    monkeypatch.setenv("DS_INFCL_GLUON", "1" if impl == "gluon" else "0")
+    dt = DTYPES[dtype]
+    q, k = _features(b, m, c, seed=b + m + c)
+    q, k = q.to(dt).double(), k.to(dt).double()
+    labels = None
+    if label_kind == "random":
+        labels = torch.randint(0, m, (b,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=True),
+                          q, k, scale, torch.float64, 0.37)
+    plain = _loss_and_grads(
+        lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=True, upcast=False),
+        q, k, scale, dt, 0.37)
+    got = _loss_and_grads(lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=True, backend="triton"),
+                          q, k, scale, dt, 0.37)
+    kernel = getattr(triton_lse._LAST_KERNELS["bwd"], "name", "")
+    if impl == "gluon" and m % 8 == 0:
+        assert kernel == "_lse_bwd_g_hopper_kernel", kernel
+    elif impl == "triton":
+        assert kernel == "_lse_bwd_g_kernel", kernel
+    msgs = []
+    for name, x, p, r in zip(["loss", "dq", "dk", "dscale"], got, plain, ref):
+        assert torch.isfinite(x).all(), name
+        err, pe = rel_err(x, r), rel_err(p, r)
+        msgs.append((name, err, pe, err <= _bound(dt, pe)))
+    print(f"\n{impl} backward b={b} m={m} c={c} s={scale} {label_kind} {dtype} ({kernel}): "
+          + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
+    assert all(ok for *_, ok in msgs)

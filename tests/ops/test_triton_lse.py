@@ -226,6 +226,31 @@ def test_tf32_flag_is_off_by_default(monkeypatch):
     assert triton_lse.allow_tf32()
 
 
+def test_gluon_backward_choice(monkeypatch):
+    """``DS_INFCL_GLUON``: auto takes the Triton kernel where the Gluon one cannot run (here: the
+    interpreter), ``1`` says why it cannot instead of falling back, a bad value is an error."""
+    q = torch.zeros(4, 8, dtype=torch.float16)
+    monkeypatch.setenv("DS_INFCL_GLUON", "auto")
+    assert not triton_lse._use_gluon(q, q)
+    monkeypatch.setenv("DS_INFCL_GLUON", "0")
+    assert not triton_lse._use_gluon(q, q)
+    monkeypatch.setenv("DS_INFCL_GLUON", "1")
+    with pytest.raises(RuntimeError, match="Gluon backward cannot run: .*CUDA GPU"):
+        triton_lse._use_gluon(q, q)
+    monkeypatch.setenv("DS_INFCL_GLUON", "yes")
+    with pytest.raises(ValueError, match="DS_INFCL_GLUON must be"):
+        triton_lse._use_gluon(q, q)
+
+
+def test_gluon_flags_are_distinct_bits():
+    from ds_infcl.ops import gluon_lse_kernels as gk
+
+    bits = list(gk.FLAG_BITS.values())
+    assert len(set(bits)) == len(bits) and all(b & (b - 1) == 0 for b in bits)
+    assert gk.g_flags(HAS_ROW=True, ONE_EXP=True) == gk.FLAG_BITS["HAS_ROW"] | gk.FLAG_BITS["ONE_EXP"]
+    assert gk.g_flags() == 0
+
+
 def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="share one dtype"):
         triton_lse.lse_forward_triton(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float16), 1.0)
