@@ -47,7 +47,7 @@ try:  # Gluon is experimental: absent from older Triton releases
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "FLAG_BITS", "g_flags", "launch_g_hopper"]
+__all__ = ["AVAILABLE", "FLAG_BITS", "g_flags", "launch_g_hopper", "make_desc"]
 
 # The epilogue's constexpr switches, carried into the warp-specialized partitions as the length of
 # a small shared-memory buffer (a partition's arguments reach it as IR values, its buffers'
@@ -279,22 +279,28 @@ if AVAILABLE:
         else:
             gl.warp_specialize([(_g_consumer0, args), (_g_producer0, args)], [1], [PRODUCER_REGS])
 
-    def _desc(t, block):
-        """A TMA descriptor of the 2-D 16-bit tensor ``t`` in ``block``-shaped tiles."""
-        dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+    _LAYOUTS: dict = {}
 
-    def launch_g_hopper(query, key, g, i0, j0, lab, r, a, cl, w, p, scale, rng, v, stride_a, stride_w,
-                        stride_p, num_rblocks, num_cblocks, flags, block_m, block_n, block_k, stages, programs,
+    def make_desc(t, block):
+        """A TMA descriptor of the 2-D 16-bit tensor ``t`` in ``block``-shaped tiles (host side,
+        passed by value at launch: a backward makes one per operand and one per shape of G)."""
+        dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+        key = (dtype, tuple(block))
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _LAYOUTS[key])
+
+    def launch_g_hopper(q_desc, k_desc, g_desc, c, i0, j0, lab, r, a, cl, w, p, scale, rng, v, stride_a, stride_w,
+                        stride_p, num_rblocks, num_cblocks, flags, stages, programs,
                         consumers=2, consumer_regs=240, producer_regs=24, maxnreg=168):
-        """Launch ``_lse_bwd_g_hopper_kernel`` for one block of ``G`` (``g`` is ``[rows, cols]``,
-        row-major, its rows 16-byte aligned); returns the compiled kernel."""
-        rows, cols = g.shape
-        c = query.shape[1]
+        """Launch ``_lse_bwd_g_hopper_kernel`` for one block of ``G`` (``g_desc`` over ``[rows,
+        cols]``, row-major; descriptors from ``make_desc``); returns the compiled kernel."""
+        rows, cols = g_desc.shape
+        block_m, block_n = g_desc.block_shape
+        block_k = q_desc.block_shape[1]
         tiles = -(-rows // block_m) * -(-cols // block_n)
         return _lse_bwd_g_hopper_kernel[(max(1, min(programs, tiles)),)](
-            _desc(query, [block_m, block_k]), _desc(key, [block_n, block_k]), _desc(g, [block_m, block_n]),
+            q_desc, k_desc, g_desc,
             i0, j0, rows, cols, -(-c // block_k), lab, r, a, cl, w, p, scale, rng, v,
             stride_a, stride_w, stride_p, num_rblocks, num_cblocks,
             STAGES=stages, FLAGS=flags, NCONS=consumers, CONSUMER_REGS=consumer_regs,

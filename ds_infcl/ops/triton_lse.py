@@ -594,6 +594,9 @@ def lse_backward_triton(
         cfg = _Config(gbm, gbn, gbk, 8, 3)
         gflags = gluon_lse_kernels.g_flags(HAS_ROW=has_row, HAS_COL=has_col, HAS_POS=has_pos, EXCLUDE=exclude_positive,
                                            HAS_LABELS=has_labels, ONE_EXP=ONE_EXP)
+        # TMA descriptors: made once per backward for the operands and once per shape of G (the
+        # blocks reuse one buffer), which keeps the host's cost per block near a plain launch.
+        descs = {"q": gluon_lse_kernels.make_desc(query, (gbm, gbk)), "k": gluon_lse_kernels.make_desc(key, (gbn, gbk))}
     else:
         cfg = _pick_config("bwd", b, m, c, query.dtype, device)
     flags = _kernel_flags(query, c, cfg.block_k)
@@ -611,9 +614,12 @@ def lse_backward_triton(
         if i0 % cfg.block_m or j0 % cfg.block_n:
             raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
         if use_gluon and (cols * g.element_size()) % 16 == 0:
+            gkey = (g.data_ptr(), rows, cols)
+            if gkey not in descs:
+                descs[gkey] = gluon_lse_kernels.make_desc(g, (gbm, gbn))
             _LAST_KERNELS["bwd"] = gluon_lse_kernels.launch_g_hopper(
-                query, key, g, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp, n_rb, n_cb, gflags,
-                gbm, gbn, gbk, stages, _num_sms(device), consumers=consumers,
+                descs["q"], descs["k"], descs[gkey], c, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp,
+                n_rb, n_cb, gflags, stages, _num_sms(device), consumers=consumers,
                 **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
             return
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
