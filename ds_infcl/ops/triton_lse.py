@@ -40,6 +40,10 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
   ``(BLOCK_M + BLOCK_N) * c`` fp32 values to global memory per tile (atomics or
   read-modify-write), 137 GB of traffic at b = m = 65,536, c = 512 with 128 x 128 tiles, against
   ~30 GB (write ``G`` once, read it twice) for the chunked form (docs/kernels.md).
+* On Hopper, for bf16/fp16 inputs, ``G`` comes from ``_lse_bwd_g_hopper_kernel`` instead
+  (``ds_infcl.ops.gluon_lse_kernels``, Gluon): the same maths over a persistent grid with TMA
+  producer warps, two consumer warpgroups taking turns at the tensor cores, and TMA stores of
+  ``G`` (``_use_gluon``; ``DS_INFCL_GLUON=0`` keeps the Triton kernel).
 * ``_scale_out_kernel``: a float32 accumulator times ``scale`` into the output dtype, with the
   shares of ``ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i`` from the same read.
 * ``_positive_kernel``: the positive logits ``x_{i, labels_i}``, or directly each block's share
@@ -207,11 +211,9 @@ def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
     )
 
 
-# The backward's G kernel on Hopper: the Gluon kernel (TMA producer warp, asynchronous MMAs,
-# persistent grid, TMA stores) with these tiles, or the Triton kernel.
-# BLOCK_M, BLOCK_N, BLOCK_K, stages per ring, consumer warpgroups: 2 x 4 x 16 KiB of rings and
-# 2 x 32 KiB of G staging (measured against 64-row, 64-column and 2-3 stage variants and one
-# consumer, docs/kernels.md).
+# The Gluon G kernel's tiles: BLOCK_M, BLOCK_N, BLOCK_K, stages per ring, consumer warpgroups
+# (2 rings x 4 x 16 KiB and 2 x 32 KiB of G staging; measured against 64-row, 64-column, 2-3
+# stage and single-consumer variants, docs/kernels.md).
 GLUON_TILES = (128, 128, 32, 4, 2)
 
 
