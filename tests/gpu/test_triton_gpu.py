@@ -55,6 +55,18 @@ def _loss_and_grads(fn, q, k, scale, dtype, upstream):
     return [loss.detach(), qq.grad, kk.grad, s.grad]
 
 
+def _check_loss(label, got, plain, ref, dt):
+    """The loss and its gradients (``got``) within ``_bound`` of the float64 reference, with plain
+    torch in the same dtype (``plain``) as the yardstick; prints each error (the report)."""
+    msgs = []
+    for name, x, p, r in zip(["loss", "dq", "dk", "dscale"], got, plain, ref):
+        assert torch.isfinite(x).all(), name
+        err, pe = rel_err(x, r), rel_err(p, r)
+        msgs.append((name, err, pe, err <= _bound(dt, pe)))
+    print(f"\n{label}: " + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
+    assert all(ok for *_, ok in msgs)
+
+
 # (b, m, c, scale, labels): b = 1, 1,000 and 65,537; b != m both ways; a benchmark shape.
 LOSS_CASES = [
     (1, 1000, 512, 14.3, "random"),
@@ -84,14 +96,7 @@ def test_loss_matches_fp64(b, m, c, scale, label_kind, symmetric, dtype):
     got = _loss_and_grads(
         lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=symmetric, backend="triton"),
         q, k, scale, dt, 0.37)
-    msgs = []
-    for name, x, p, r in zip(["loss", "dq", "dk", "dscale"], got, plain, ref):
-        assert torch.isfinite(x).all(), name
-        err, pe = rel_err(x, r), rel_err(p, r)
-        msgs.append((name, err, pe, err <= _bound(dt, pe)))
-    print(f"\nloss b={b} m={m} c={c} s={scale} {label_kind} sym={symmetric} {dtype}: "
-          + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
-    assert all(ok for *_, ok in msgs)
+    _check_loss(f"loss b={b} m={m} c={c} s={scale} {label_kind} sym={symmetric} {dtype}", got, plain, ref, dt)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -237,11 +242,4 @@ def test_backward_gluon_and_triton_match_fp64(b, m, c, scale, label_kind, dtype,
         assert kernel == "_lse_bwd_g_hopper_kernel", kernel
     elif impl == "triton":
         assert kernel == "_lse_bwd_g_kernel", kernel
-    msgs = []
-    for name, x, p, r in zip(["loss", "dq", "dk", "dscale"], got, plain, ref):
-        assert torch.isfinite(x).all(), name
-        err, pe = rel_err(x, r), rel_err(p, r)
-        msgs.append((name, err, pe, err <= _bound(dt, pe)))
-    print(f"\n{impl} backward b={b} m={m} c={c} s={scale} {label_kind} {dtype} ({kernel}): "
-          + "  ".join(f"{n} {e:.1e} (torch {p:.1e}){'' if ok else ' FAIL'}" for n, e, p, ok in msgs))
-    assert all(ok for *_, ok in msgs)
+    _check_loss(f"{impl} backward b={b} m={m} c={c} s={scale} {label_kind} {dtype} ({kernel})", got, plain, ref, dt)
