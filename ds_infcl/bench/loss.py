@@ -31,6 +31,7 @@ import csv
 import os
 import re
 import sys
+import time
 from datetime import datetime, timezone
 
 import torch
@@ -52,11 +53,19 @@ FIELDS = ["gpu", "date", "provider", "b", "c", "dtype", "mode", "median_ms", "p2
           "tflops", "pct_matmul", "ideal_ms", "extra_gib", "matmul_tflops", "note"]
 
 
-def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
-    """bf16 ``torch.mm`` rate on random data (median of ``reps`` timed products)."""
+def matmul_tflops(n: int = 8192, reps: int = 20, warmup_s: float = 1.0) -> float:
+    """bf16 ``torch.mm`` rate on random data: the median of ``reps`` timed products after
+    ``warmup_s`` seconds of products. A fresh process's first products run before the GPU's
+    clocks settle (an H100 measured 672 TFLOP/s with 5 warm-up products, 781 with a second's
+    worth, 2026-11-26), and every "% of the matmul rate" of a run divides by this number."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    times = _time(lambda: torch.mm(a, b), reps=reps, warmup=5)
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        for _ in range(10):
+            torch.mm(a, b)
+        torch.cuda.synchronize()
+    times = _time(lambda: torch.mm(a, b), reps=reps, warmup=1)
     return 2 * n**3 / (_quantile(times, 0.5) * 1e-3) / 1e12
 
 
