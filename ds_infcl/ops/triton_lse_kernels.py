@@ -43,9 +43,11 @@ def _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_
 
 @triton.jit
 def _scaled(acc, scale, EXACT_MUL: tl.constexpr):
-    """Logits ``acc * scale`` rounded once to fp32, never contracted into a later FMA: forward and
-    backward must see bit-identical logits, or at |x| ~ 1e3 a probability near 1 would be off by
-    ~1e-4 (the LSE of a row dominated by one logit is that very logit)."""
+    """Logits ``acc * scale`` rounded once to fp32, never contracted into a later FMA: with float32
+    inputs forward and backward must see bit-identical logits, or at |x| ~ 1e3 a probability near
+    1 would be off by ~1e-4 (the LSE of a row dominated by one logit is that very logit), which
+    float32 gradients would show. 16-bit inputs fuse the exponent arguments instead
+    (``_exp_shifted``): their ``G`` is rounded to 2^-9 / 2^-11 anyway."""
     if EXACT_MUL:
         return tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=f,f,f",
