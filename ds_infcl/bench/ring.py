@@ -140,9 +140,17 @@ def run_point(impl, b, c, dtype, group, args):
             torch.cuda.synchronize()
             return start.elapsed_time(end)
 
-        for _ in range(args.warmup):
+        # Warm-up: at least --warmup steps and --warmup-seconds of them (the first point of a
+        # process otherwise carries NCCL's and the allocator's first-use costs into its times).
+        t_warm = time.perf_counter()
+        n_warm = 0
+        while True:  # the ranks agree after each step, so they run the same number of them
             step()
-        _sync()
+            n_warm += 1
+            _sync()
+            more = n_warm < args.warmup or time.perf_counter() - t_warm < args.warmup_seconds
+            if not _all_reduce(float(more), dist.ReduceOp.MAX, group):
+                break
         if _DEVICE == "cuda":
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -197,7 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per point (at least)")
+    ap.add_argument("--warmup-seconds", type=float, default=0.5, help="warm-up time per point (at least)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--seconds-per-point", type=float, default=3.0)
