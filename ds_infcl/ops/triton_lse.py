@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -224,6 +225,32 @@ def _gluon_tiles() -> Tuple[int, ...]:
     return tuple(int(v) for v in env.split(",")) if env else GLUON_TILES
 
 
+# Why the Gluon kernel could not be built in this process (``DS_INFCL_GLUON=auto``), or None.
+_GLUON_FAILED: Optional[str] = None
+
+
+def _gluon_build_errors() -> tuple:
+    """What a Triton release raises when it cannot build a kernel (the Gluon API is experimental:
+    a later release may reject this one)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return (CompilationError, OutOfResources, PTXASError)
+
+
+def _gluon_failed(err: Exception) -> None:
+    """Record (and say, once) that the Gluon kernel cannot be built here: the Triton kernel writes
+    ``G`` from then on, in this process."""
+    global _GLUON_FAILED
+    first = (str(err).strip().splitlines() or [""])[-1][:200]
+    _GLUON_FAILED = f"{type(err).__name__}: {first}"
+    warnings.warn(
+        f"ds_infcl: the Gluon backward kernel could not be built with Triton {triton.__version__} "
+        f"({_GLUON_FAILED}); the Triton kernel writes G instead, for the rest of this process "
+        "(DS_INFCL_GLUON=0 skips the attempt, DS_INFCL_GLUON=1 makes it an error)",
+        RuntimeWarning, stacklevel=3)
+
+
 def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the backward writes ``G`` with the Gluon kernel (``gluon_lse_kernels``):
     ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit inputs whose rows are 16-byte
@@ -235,7 +262,9 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
     if mode == "0":
         return False
     why = None
-    if not gluon_lse_kernels.AVAILABLE:
+    if _GLUON_FAILED is not None:
+        why = f"it could not be built earlier in this process ({_GLUON_FAILED})"
+    elif not gluon_lse_kernels.AVAILABLE:
         why = f"this Triton ({triton.__version__}) has no Gluon Hopper API"
     elif query.device.type != "cuda" or _interpreting():
         why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
@@ -615,15 +644,20 @@ def lse_backward_triton(
     def launch_g(g, i0, j0, rows, cols, block):
         if i0 % cfg.block_m or j0 % cfg.block_n:
             raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
-        if use_gluon and (cols * g.element_size()) % 16 == 0:
+        if use_gluon and _GLUON_FAILED is None and (cols * g.element_size()) % 16 == 0:
             gkey = (g.data_ptr(), rows, cols)
             if gkey not in descs:
                 descs[gkey] = gluon_lse_kernels.make_desc(g, (gbm, gbn))
-            _LAST_KERNELS["bwd"] = gluon_lse_kernels.launch_g_hopper(
-                descs["q"], descs["k"], descs[gkey], c, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp,
-                n_rb, n_cb, gflags, stages, _num_sms(device), consumers=consumers,
-                **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
-            return
+            try:
+                _LAST_KERNELS["bwd"] = gluon_lse_kernels.launch_g_hopper(
+                    descs["q"], descs["k"], descs[gkey], c, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp,
+                    n_rb, n_cb, gflags, stages, _num_sms(device), consumers=consumers,
+                    **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
+                return
+            except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet
+                if os.environ.get("DS_INFCL_GLUON", "auto") == "1":
+                    raise
+                _gluon_failed(err)  # this block and the rest take the Triton kernel (same tiles)
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
         _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
             query, key, lab, r2, a, cl2, w, p, g, s_t, rng, v,

@@ -242,6 +242,45 @@ def test_gluon_backward_choice(monkeypatch):
         triton_lse._use_gluon(q, q)
 
 
+def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
+    """A Triton release that cannot build the Gluon kernel (its API is experimental) costs a
+    warning, once, and the Triton kernel writes G (same tiles and ranges); with
+    DS_INFCL_GLUON=1 the build error propagates instead."""
+    from triton.runtime.errors import OutOfResources
+
+    from ds_infcl.ops import gluon_lse_kernels as gk
+
+    calls = []
+
+    def failing_launch(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k: triton_lse._GLUON_FAILED is None)
+    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", None)
+    monkeypatch.setattr(gk, "make_desc", lambda t, block: None, raising=False)
+    monkeypatch.setattr(gk, "launch_g_hopper", failing_launch, raising=False)
+    monkeypatch.setenv("DS_INFCL_TRITON_CHUNK", "256x256")  # the fallback's 128-tiles: one block
+    monkeypatch.setenv("DS_INFCL_GLUON", "1")
+    q, k = (t.to(torch.float16) for t in features(70, 48, 40, seed=3))  # rows of G: 96 bytes
+    row, col = triton_lse.lse_forward_triton(q, k, 3.0)
+    w_row, w_col = torch.rand(70), torch.rand(48)
+    with pytest.raises(OutOfResources):
+        triton_lse.lse_backward_triton(q, k, 3.0, row, col, w_row, w_col)
+    monkeypatch.setenv("DS_INFCL_GLUON", "auto")
+    with pytest.warns(RuntimeWarning, match="Gluon backward kernel could not be built"):
+        dq, dk, ds = triton_lse.lse_backward_triton(q, k, 3.0, row, col, w_row, w_col)
+    assert len(calls) == 2 and triton_lse._GLUON_FAILED.startswith("OutOfResources")
+    ref = triton_lse.lse_backward_triton(q, k, 3.0, row, col, w_row, w_col)  # _use_gluon now says no
+    assert len(calls) == 2
+    for got, want in zip((dq, dk, ds), ref):
+        torch.testing.assert_close(got, want)
+    qq, kk = q.double().requires_grad_(), k.double().requires_grad_()
+    r64, c64 = lse_reference(qq, kk, 3.0)
+    ((r64 * w_row.double()).sum() + (c64 * w_col.double()).sum()).backward()
+    assert rel_err(dq, qq.grad) <= 2e-3 and rel_err(dk, kk.grad) <= 2e-3  # fp16 G: ~5e-4
+
+
 def test_gluon_flags_are_distinct_bits():
     from ds_infcl.ops import gluon_lse_kernels as gk
 
