@@ -24,7 +24,7 @@ import json
 import os
 import random
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
