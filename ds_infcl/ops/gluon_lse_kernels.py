@@ -163,7 +163,7 @@ if AVAILABLE:
             if HAS_ROW:
                 r = _load_lse_g(r_ptr, offs_m, row_ok)
                 a = gl.load(a_ptr + offs_m.to(gl.int64) * stride_a, mask=row_ok, other=0.0)
-            if HAS_COL and not (HAS_ROW and ONE_EXP):  # the one-exponential tiles read v instead
+            if HAS_COL and not HAS_ROW:
                 cl = _load_lse_g(cl_ptr, offs_n, col_ok)
                 w = gl.load(w_ptr + offs_n.to(gl.int64) * stride_w, mask=col_ok, other=0.0)
             if HAS_ROW and HAS_COL:
@@ -176,11 +176,9 @@ if AVAILABLE:
                         u = gl.exp2(gl.minimum(r - c_lo, 60.0) * LOG2E)
                         g = _exp_rows(acc, x_log2, r) * (gl.expand_dims(a, 1) + gl.expand_dims(u, 1) * gl.expand_dims(v, 0))
                     else:  # outside the range: two exponentials
-                        cl = _load_lse_g(cl_ptr, offs_n, col_ok)
-                        w = gl.load(w_ptr + offs_n.to(gl.int64) * stride_w, mask=col_ok, other=0.0)
-                        g = _g_two_exp_g(acc, x_log2, r, a, cl, w)
+                        g = _g_two_exp_g(acc, x_log2, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w)
                 else:
-                    g = _g_two_exp_g(acc, x_log2, r, a, cl, w)
+                    g = _g_two_exp_g(acc, x_log2, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w)
             elif HAS_ROW:
                 g = gl.expand_dims(a, 1) * _exp_rows(acc, x_log2, r)
             elif HAS_COL:
@@ -223,11 +221,13 @@ if AVAILABLE:
                    num_rblocks, num_cblocks, 1)
 
     @gluon.jit
-    def _g_two_exp_g(acc, x_log2, r, a, cl, w):
-        """``a_i exp(x - r_i) + w_j exp(x - c_j)`` holding one [BM, BN] value per logit: the
-        second exponent is the first plus ``(r_i - c_j) log2(e)``, so the dot products are dead
-        once the first argument is formed (both exponentials of ``acc`` at once would need two
-        tiles of registers and spill)."""
+    def _g_two_exp_g(acc, x_log2, r, a, cl_ptr, w_ptr, offs_n, col_ok, stride_w):
+        """``a_i exp(x - r_i) + w_j exp(x - c_j)`` (the columns read here, as ``_g_two_exp`` of
+        the Triton kernel) holding one [BM, BN] value per logit: the second exponent is the first
+        plus ``(r_i - c_j) log2(e)``, so the dot products are dead once the first argument is
+        formed (both exponentials of ``acc`` at once would need two tiles of registers and spill)."""
+        cl = _load_lse_g(cl_ptr, offs_n, col_ok)
+        w = gl.load(w_ptr + offs_n.to(gl.int64) * stride_w, mask=col_ok, other=0.0)
         rl = gl.expand_dims(r * LOG2E, 1)
         t = acc * x_log2 - rl
         return gl.expand_dims(a, 1) * gl.exp2(t) + gl.expand_dims(w, 0) * gl.exp2(t + (rl - gl.expand_dims(cl * LOG2E, 0)))

@@ -270,7 +270,7 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
         why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
     elif torch.cuda.get_device_capability(query.device)[0] != 9:
         why = f"the GPU is not Hopper (capability {torch.cuda.get_device_capability(query.device)})"
-    elif query.dtype not in (torch.float16, torch.bfloat16) or not FMA_EXP:
+    elif not _fma_exp(query):
         why = f"{query.dtype} inputs (or DS_INFCL_TRITON_FMA_EXP=0): the Gluon kernel takes 16-bit operands"
     elif (query.shape[1] * query.element_size()) % 16 or query.data_ptr() % 16 or key.data_ptr() % 16:
         why = "the feature rows are not 16-byte aligned (TMA needs c a multiple of 8 and aligned storage)"
