@@ -55,6 +55,28 @@ def _loss_and_grads(fn, q, k, scale, dtype, upstream):
     return [loss.detach(), qq.grad, kk.grad, s.grad]
 
 
+def _loss_three_ways(b, m, c, scale, label_kind, symmetric, dt, label_seed):
+    """``(got, plain, ref)``: the loss and its gradients from ours (Triton backend) and plain torch
+    in ``dt``, and the float64 reference, on the same inputs (rounded to ``dt`` first); labels
+    random (seeded by ``label_seed``) or the diagonal. ``got`` runs last, so ``_LAST_KERNELS``
+    holds its kernels."""
+    q, k = _features(b, m, c, seed=b + m + c)
+    q, k = q.to(dt).double(), k.to(dt).double()  # every path sees the same inputs
+    labels = None
+    if label_kind == "random":
+        labels = torch.randint(0, m, (b,), device="cuda",
+                               generator=torch.Generator(device="cuda").manual_seed(label_seed))
+    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric),
+                          q, k, scale, torch.float64, 0.37)
+    plain = _loss_and_grads(
+        lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric, upcast=False),
+        q, k, scale, dt, 0.37)
+    got = _loss_and_grads(
+        lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=symmetric, backend="triton"),
+        q, k, scale, dt, 0.37)
+    return got, plain, ref
+
+
 def _check_loss(label, got, plain, ref, dt):
     """The loss and its gradients (``got``) within ``_bound`` of the float64 reference, with plain
     torch in the same dtype (``plain``) as the yardstick; prints each error (the report)."""
@@ -83,19 +105,7 @@ LOSS_CASES = [
 @pytest.mark.parametrize("b,m,c,scale,label_kind", LOSS_CASES)
 def test_loss_matches_fp64(b, m, c, scale, label_kind, symmetric, dtype):
     dt = DTYPES[dtype]
-    q, k = _features(b, m, c, seed=b + m + c)
-    q, k = q.to(dt).double(), k.to(dt).double()  # every path sees the same inputs
-    labels = None
-    if label_kind == "random":
-        labels = torch.randint(0, m, (b,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric),
-                          q, k, scale, torch.float64, 0.37)
-    plain = _loss_and_grads(
-        lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=symmetric, upcast=False),
-        q, k, scale, dt, 0.37)
-    got = _loss_and_grads(
-        lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=symmetric, backend="triton"),
-        q, k, scale, dt, 0.37)
+    got, plain, ref = _loss_three_ways(b, m, c, scale, label_kind, symmetric, dt, label_seed=1)
     _check_loss(f"loss b={b} m={m} c={c} s={scale} {label_kind} sym={symmetric} {dtype}", got, plain, ref, dt)
 
 
@@ -225,18 +235,7 @@ GLUON_CASES = [
 def test_backward_gluon_and_triton_match_fp64(b, m, c, scale, label_kind, dtype, impl, monkeypatch):
     monkeypatch.setenv("DS_INFCL_GLUON", "1" if impl == "gluon" else "0")
     dt = DTYPES[dtype]
-    q, k = _features(b, m, c, seed=b + m + c)
-    q, k = q.to(dt).double(), k.to(dt).double()
-    labels = None
-    if label_kind == "random":
-        labels = torch.randint(0, m, (b,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
-    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=True),
-                          q, k, scale, torch.float64, 0.37)
-    plain = _loss_and_grads(
-        lambda a, bb, s: contrastive_loss_reference(a, bb, s, labels, symmetric=True, upcast=False),
-        q, k, scale, dt, 0.37)
-    got = _loss_and_grads(lambda a, bb, s: contrastive_loss(a, bb, s, labels, symmetric=True, backend="triton"),
-                          q, k, scale, dt, 0.37)
+    got, plain, ref = _loss_three_ways(b, m, c, scale, label_kind, True, dt, label_seed=2)
     kernel = getattr(triton_lse._LAST_KERNELS["bwd"], "name", "")
     if impl == "gluon" and m % 8 == 0:
         assert kernel == "_lse_bwd_g_hopper_kernel", kernel
