@@ -272,6 +272,11 @@ def main(argv=None) -> int:
                             print(f"{provider:12s} {dname:5s} {b:7d} {c:5d} {r['mode']:8s} {r['median_ms']:10.3f} "
                                   f"{r['tflops']:8.1f} {r['pct_matmul']:6.1f} {r['ideal_ms']:9.3f} {r['extra_gib']:9.3f}",
                                   flush=True)
+    # The rate again after the run: a GPU whose clocks moved during the run (power, heat, a
+    # neighbour) shows here, and every "% mm" above divides by the first reading.
+    mm_end = matmul_tflops(warmup_s=0.5)
+    print(f"# bf16 matmul (8192^3) after the run: {mm_end:.0f} TFLOP/s ({100 * (mm_end / mm - 1):+.1f}% against "
+          f"the start's {mm:.0f}; the % mm above divide by the start's)", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_").lower()

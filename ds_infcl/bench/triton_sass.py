@@ -30,14 +30,16 @@ import tempfile
 DIV16 = {"b", "m", "c", "stride_q", "stride_k", "num_qblocks", "num_kblocks", "rows", "cols", "i0", "j0"}
 FLOAT_PTRS = {"row_part_ptr", "row_max_ptr", "row_sum_ptr", "col_max_ptr", "col_sum_ptr", "scale_ptr", "r_ptr",
               "a_ptr", "cl_ptr", "w_ptr", "p_ptr", "rng_ptr", "v_ptr"}
-DEFAULTS = {"fwd": ["128,128,64,8,3"], "fwd_rows": ["128,128,64,8,3"], "bwd": ["128,256,64,8,3"],
-            "bwd_gluon": ["128,128,32,4,2"]}
+DEFAULTS = {"fwd": ["128,128,64,8,3"], "fwd_rows": ["128,128,64,8,3"], "fwd_redo": ["128,128,64,8,3"],
+            "bwd": ["128,256,64,8,3"],
+            "bwd_gluon": ["128,128,32,4,2"], "fwd_gluon": ["128,128,64,3,1"]}
 
 
 def _kernel(name):
     from ds_infcl.ops import triton_lse_kernels as K
 
-    return {"fwd": K._lse_fwd_kernel, "fwd_rows": K._lse_fwd_rows_kernel, "bwd": K._lse_bwd_g_kernel}[name]
+    return {"fwd": K._lse_fwd_kernel, "fwd_rows": K._lse_fwd_rows_kernel, "fwd_redo": K._lse_fwd_cols_redo_kernel,
+            "bwd": K._lse_bwd_g_kernel}[name]
 
 
 # The flag combinations the launchers use, beyond the default (one per line of --all-variants):
@@ -45,12 +47,15 @@ def _kernel(name):
 VARIANTS = {
     "fwd": [dict(EXCLUDE=True), dict(EXCLUDE=True, HAS_LABELS=True), dict(dtype="fp32", EVEN_K=False)],
     "fwd_rows": [dict(EXCLUDE=True, HAS_LABELS=True), dict(dtype="fp32")],
+    # The Gluon forward's exact second pass (16-bit inputs, as the Gluon forward).
+    "fwd_redo": [dict(EXCLUDE=True, HAS_LABELS=True)],
     "bwd": [dict(EXCLUDE=True, HAS_LABELS=True), dict(HAS_COL=False, HAS_POS=False),
             dict(HAS_ROW=False, HAS_POS=False), dict(ONE_EXP=False), dict(dtype="fp16", EVEN_K=False),
             dict(dtype="fp32")],
     # The Gluon backward (bf16/fp16 only): labels with exclusion, one-sided, two exponentials.
     "bwd_gluon": [dict(EXCLUDE=True, HAS_LABELS=True), dict(HAS_COL=False, HAS_POS=False),
                   dict(HAS_ROW=False, HAS_POS=False), dict(ONE_EXP=False), dict(dtype="fp16")],
+    "fwd_gluon": [dict(EXCLUDE=True), dict(EXCLUDE=True, HAS_LABELS=True), dict(dtype="fp16")],
 }
 
 
@@ -61,8 +66,8 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if name == "bwd_gluon":
-        return compile_gluon_for_hopper(config, dtype, **flags)
+    if name in ("bwd_gluon", "fwd_gluon"):
+        return compile_gluon_for_hopper(config, dtype, forward=name == "fwd_gluon", **flags)
     fn = _kernel(name)
     bm, bn, bk, warps, stages, *rest = (int(v) for v in config.split(","))
     if dtype == "fp32":
@@ -71,11 +76,15 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
                  UPCAST=False, EXACT_MUL=True, EXCLUDE=False, HAS_LABELS=False, FMA_EXP=dtype != "fp32")
     if name == "bwd":
         const.update(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
+    if name == "fwd_redo":
+        del const["FMA_EXP"]
     const.update(flags)
     sig = {}
     for arg in fn.arg_names:
         if arg in const:
             sig[arg] = "constexpr"
+        elif arg == "redo_ptr":
+            sig[arg] = "*i32"
         elif arg.endswith("_ptr"):
             sig[arg] = "*fp32" if arg in FLOAT_PTRS else f"*{dtype}"
         else:
@@ -88,11 +97,13 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
     return triton.compile(ASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_gluon_for_hopper(config: str, dtype: str = "bf16", **flags):
+def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = False, **flags):
     """``triton.compile`` of the Gluon backward (``gluon_lse_kernels._lse_bwd_g_hopper_kernel``)
-    for sm_90; ``config`` is "BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]"
-    as ``DS_INFCL_GLUON_TILES``, ``flags`` the epilogue switches (default: both directions, the
-    positive term, one exponential)."""
+    or, with ``forward``, the Gluon forward (``_lse_fwd_hopper_kernel``) for sm_90; ``config`` is
+    "BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]" as ``DS_INFCL_GLUON_TILES``
+    (the forward: "BM,BN,BK,stages,pingpong[,consumer_regs,producer_regs,maxnreg]" as
+    ``DS_INFCL_GLUON_FWD_TILES``), ``flags`` the epilogue switches (backward default: both
+    directions, the positive term, one exponential; forward: no exclusion)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -100,27 +111,36 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", **flags):
 
     from ds_infcl.ops import gluon_lse_kernels as G
 
-    bm, bn, bk, stages, consumers, *regs = (int(v) for v in config.split(","))
+    if forward:
+        bm, bn, bk, stages, pingpong, *regs = (int(v) for v in config.split(","))
+        consumers = 2
+        switches, fn = dict(PINGPONG=bool(pingpong), **flags), G._lse_fwd_hopper_kernel
+    else:
+        bm, bn, bk, stages, consumers, *regs = (int(v) for v in config.split(","))
+        switches = dict(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
+        switches.update(flags)
+        fn = G._lse_bwd_g_hopper_kernel
     consumer_regs, producer_regs, maxnreg = (regs + [240, 24, 168][len(regs):])[:3]
-    switches = dict(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
-    switches.update(flags)
-    fn = G._lse_bwd_g_hopper_kernel
     gdtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(shape):
         layout = gl.NVMMASharedLayout.get_default_for(shape, gdtype)
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    const = dict(STAGES=stages, FLAGS=G.g_flags(**switches), NCONS=consumers, CONSUMER_REGS=consumer_regs,
-                 PRODUCER_REGS=producer_regs)
+    const = dict(STAGES=stages, FLAGS=G.g_flags(G.FWD_FLAG_BITS if forward else G.FLAG_BITS, **switches),
+                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+    if not forward:
+        const["NCONS"] = consumers
     sig = {}
     for arg in fn.arg_names:
         if arg in const:
             sig[arg] = "constexpr"
+        elif arg.endswith("_desc") and forward:
+            sig[arg] = desc({"q_desc": [bm, bk], "k_desc": [bn, bk]}[arg])
         elif arg.endswith("_desc"):
             sig[arg] = desc({"q_desc": [bm, bk], "k_desc": [bn, bk], "g_desc": [bm, bn]}[arg])
         elif arg.endswith("_ptr"):
-            sig[arg] = "*i64" if arg == "lab_ptr" else "*fp32"
+            sig[arg] = {"lab_ptr": "*i64", "redo_ptr": "*i32"}.get(arg, "*fp32")
         else:
             sig[arg] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
@@ -155,7 +175,8 @@ def summarize(compiled) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", nargs="+", default=["fwd", "fwd_rows", "bwd", "bwd_gluon"], choices=sorted(DEFAULTS))
+    ap.add_argument("--kernels", nargs="+", default=["fwd", "fwd_rows", "fwd_redo", "bwd", "bwd_gluon", "fwd_gluon"],
+                    choices=sorted(DEFAULTS))
     ap.add_argument("--configs", nargs="+", default=None,
                     help="BM,BN,BK,warps,stages[,maxnreg] (bwd_gluon: BM,BN,BK,stages,consumers[,regs...]; "
                          "default: ours)")
@@ -167,8 +188,8 @@ def main(argv=None) -> int:
     failed = 0
     for name in args.kernels:
         for cfg in args.configs or DEFAULTS[name]:
-            if name == "bwd_gluon" and args.dtype == "fp32":
-                continue  # the Gluon backward takes 16-bit operands only
+            if name.endswith("_gluon") and args.dtype == "fp32":
+                continue  # the Gluon kernels take 16-bit operands only
             cases = [dict(dtype=args.dtype)] + (VARIANTS[name] if args.all_variants else [])
             for case in cases:
                 case = dict(case)

@@ -73,6 +73,7 @@ from ds_infcl.ops import gluon_lse_kernels
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
+    _lse_fwd_cols_redo_kernel,
     _lse_fwd_kernel,
     _lse_fwd_rows_kernel,
     _merge_stats_kernel,
@@ -225,8 +226,22 @@ def _gluon_tiles() -> Tuple[int, ...]:
     return tuple(int(v) for v in env.split(",")) if env else GLUON_TILES
 
 
-# Why the Gluon kernel could not be built in this process (``DS_INFCL_GLUON=auto``), or None.
-_GLUON_FAILED: Optional[str] = None
+# The Gluon forward's tiles: BLOCK_M, BLOCK_N, BLOCK_K, stages per ring (two consumer warpgroups,
+# each with its ring of 3 x 32 KiB), and 1 for the warpgroups taking turns at the tensor cores
+# (measured against 32-wide K steps with 4 or 6 stages, 2 stages, no turns: docs/kernels.md).
+GLUON_FWD_TILES = (128, 128, 64, 3, 1)
+
+
+def _gluon_fwd_tiles() -> Tuple[int, ...]:
+    """``GLUON_FWD_TILES``, or ``DS_INFCL_GLUON_FWD_TILES="BM,BN,BK,stages,pingpong[,
+    consumer_regs,producer_regs,maxnreg]"`` (tuning)."""
+    env = os.environ.get("DS_INFCL_GLUON_FWD_TILES")
+    return tuple(int(v) for v in env.split(",")) if env else GLUON_FWD_TILES
+
+
+# Why a Gluon kernel ("forward" / "backward") could not be built in this process
+# (``DS_INFCL_GLUON=auto``); absent while it can.
+_GLUON_FAILED: dict = {}
 
 
 def _gluon_build_errors() -> tuple:
@@ -238,32 +253,34 @@ def _gluon_build_errors() -> tuple:
     return (CompilationError, OutOfResources, PTXASError)
 
 
-def _gluon_failed(err: Exception) -> None:
-    """Record (and say, once) that the Gluon kernel cannot be built here: the Triton kernel writes
-    ``G`` from then on, in this process."""
-    global _GLUON_FAILED
+def _gluon_failed(err: Exception, kernel: str) -> None:
+    """Record (and say, once) that the Gluon ``kernel`` cannot be built here: its Triton
+    counterpart runs from then on, in this process; with ``DS_INFCL_GLUON=1`` re-raise instead."""
+    if os.environ.get("DS_INFCL_GLUON", "auto") == "1":
+        raise err
     first = (str(err).strip().splitlines() or [""])[-1][:200]
-    _GLUON_FAILED = f"{type(err).__name__}: {first}"
+    _GLUON_FAILED[kernel] = f"{type(err).__name__}: {first}"
+    instead = "the Triton kernel writes G" if kernel == "backward" else "the Triton forward runs"
     warnings.warn(
-        f"ds_infcl: the Gluon backward kernel could not be built with Triton {triton.__version__} "
-        f"({_GLUON_FAILED}); the Triton kernel writes G instead, for the rest of this process "
+        f"ds_infcl: the Gluon {kernel} kernel could not be built with Triton {triton.__version__} "
+        f"({_GLUON_FAILED[kernel]}); {instead} instead, for the rest of this process "
         "(DS_INFCL_GLUON=0 skips the attempt, DS_INFCL_GLUON=1 makes it an error)",
         RuntimeWarning, stacklevel=3)
 
 
-def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the backward writes ``G`` with the Gluon kernel (``gluon_lse_kernels``):
-    ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit inputs whose rows are 16-byte
-    aligned (TMA), with Gluon in the installed Triton; ``0`` never; ``1`` requires it (an error
-    names what is missing)."""
+def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward") -> bool:
+    """Whether the Gluon ``kernel`` (``gluon_lse_kernels``: the backward's ``G``, or the
+    forward's statistics) runs: ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit
+    inputs whose rows are 16-byte aligned (TMA), with Gluon in the installed Triton; ``0`` never;
+    ``1`` requires it (an error names what is missing)."""
     mode = os.environ.get("DS_INFCL_GLUON", "auto")
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"DS_INFCL_GLUON must be 'auto', '0' or '1', got {mode!r}")
     if mode == "0":
         return False
     why = None
-    if _GLUON_FAILED is not None:
-        why = f"it could not be built earlier in this process ({_GLUON_FAILED})"
+    if kernel in _GLUON_FAILED:
+        why = f"it could not be built earlier in this process ({_GLUON_FAILED[kernel]})"
     elif not gluon_lse_kernels.AVAILABLE:
         why = f"this Triton ({triton.__version__}) has no Gluon Hopper API"
     elif query.device.type != "cuda" or _interpreting():
@@ -271,11 +288,11 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor) -> bool:
     elif torch.cuda.get_device_capability(query.device)[0] != 9:
         why = f"the GPU is not Hopper (capability {torch.cuda.get_device_capability(query.device)})"
     elif not _fma_exp(query):
-        why = f"{query.dtype} inputs (or DS_INFCL_TRITON_FMA_EXP=0): the Gluon kernel takes 16-bit operands"
+        why = f"{query.dtype} inputs (or DS_INFCL_TRITON_FMA_EXP=0): the Gluon kernels take 16-bit operands"
     elif (query.shape[1] * query.element_size()) % 16 or query.data_ptr() % 16 or key.data_ptr() % 16:
         why = "the feature rows are not 16-byte aligned (TMA needs c a multiple of 8 and aligned storage)"
     if why is not None and mode == "1":
-        raise RuntimeError(f"DS_INFCL_GLUON=1, but the Gluon backward cannot run: {why}")
+        raise RuntimeError(f"DS_INFCL_GLUON=1, but the Gluon {kernel} cannot run: {why}")
     return why is None
 
 
@@ -367,9 +384,15 @@ def lse_forward_triton(
         return lse_forward_torch(query, key, scale, labels=labels, exclude_positive=exclude_positive,
                                  compute_col=compute_col)
     cfg = _pick_config("fwd", b, m, c, query.dtype, device)
+    gluon = (compute_col and cfg.block_m == 128 and _env_config("DS_INFCL_TRITON_FWD") is None
+             and _use_gluon(query, key, "forward"))
+    if gluon:  # the Gluon kernel's tiles; the Triton kernel's K step and warps for its redo pass
+        gbm, gbn, gbk, stages, pingpong, *gregs = _gluon_fwd_tiles()
+        cfg = cfg._replace(block_m=gbm, block_n=gbn)
     num_qblocks = triton.cdiv(b, cfg.block_m)
     num_kblocks = triton.cdiv(m, cfg.block_n)
-    programs = (cfg.programs_per_sm or PROGRAMS_PER_SM) * _num_sms(device)
+    # The Gluon kernel runs two programs of the grid per SM (one per consumer warpgroup).
+    programs = (2 if gluon else cfg.programs_per_sm or PROGRAMS_PER_SM) * _num_sms(device)
     groups, splits = _forward_grid(num_qblocks, num_kblocks, b, m, programs)
     kblocks_per_split = triton.cdiv(num_kblocks, splits)
     splits = triton.cdiv(num_kblocks, kblocks_per_split)
@@ -380,22 +403,43 @@ def lse_forward_triton(
         col_max = torch.empty((groups, m), device=device, dtype=torch.float32)
         col_sum = torch.empty((groups, m), device=device, dtype=torch.float32)
     lab, has_labels = _labels_arg(query, labels, exclude_positive)
+    s_t = _scale_arg(scale, device)
     with _on_device(query):
         common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       EXCLUDE=exclude_positive, HAS_LABELS=has_labels, **cfg.launch_opts(),
-                      **_kernel_flags(query, c, cfg.block_k), FMA_EXP=_fma_exp(query))
-        if compute_col:
+                      **_kernel_flags(query, c, cfg.block_k))
+        if gluon:
+            # Key blocks whose columns fail the kernel's 2^-80 check are marked here and taken
+            # again, exactly, by the redo kernel (one program per (group, key block); the others
+            # read their mark and return).
+            redo = torch.empty((groups * num_kblocks,), device=device, dtype=torch.int32)
+            try:
+                _LAST_KERNELS["fwd"] = gluon_lse_kernels.launch_fwd_hopper(
+                    gluon_lse_kernels.make_desc(query, (gbm, gbk)), gluon_lse_kernels.make_desc(key, (gbn, gbk)),
+                    lab, row_part, row_sum, col_max, col_sum, redo, s_t, b, m, num_qblocks, kblocks_per_split,
+                    num_kblocks, groups, splits, c,
+                    gluon_lse_kernels.g_flags(gluon_lse_kernels.FWD_FLAG_BITS, EXCLUDE=exclude_positive,
+                                              HAS_LABELS=has_labels, PINGPONG=bool(pingpong)),
+                    stages, **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
+            except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet
+                _gluon_failed(err, "forward")
+                return lse_forward_triton(query, key, scale, labels=labels, exclude_positive=exclude_positive)
+            _lse_fwd_cols_redo_kernel[(groups, num_kblocks)](
+                query, key, lab, redo, col_max, col_sum, s_t,
+                b, m, c, query.stride(0), key.stride(0), num_qblocks, num_kblocks, **common,
+            )
+        elif compute_col:
             _LAST_KERNELS["fwd"] = _lse_fwd_kernel[(groups, splits)](
-                query, key, lab, row_part, row_sum, col_max, col_sum, _scale_arg(scale, device),
+                query, key, lab, row_part, row_sum, col_max, col_sum, s_t,
                 b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
-                **common,
+                FMA_EXP=_fma_exp(query), **common,
             )
         else:
             col_max = col_sum = row_part  # unused pointers
             _LAST_KERNELS["fwd"] = _lse_fwd_rows_kernel[(groups, splits)](
-                query, key, lab, row_part, _scale_arg(scale, device),
+                query, key, lab, row_part, s_t,
                 b, m, c, query.stride(0), key.stride(0), num_qblocks, kblocks_per_split, num_kblocks,
-                **common,
+                FMA_EXP=_fma_exp(query), **common,
             )
         if splits == 1 and not compute_col:
             return row_part[0], None
@@ -644,7 +688,7 @@ def lse_backward_triton(
     def launch_g(g, i0, j0, rows, cols, block):
         if i0 % cfg.block_m or j0 % cfg.block_n:
             raise AssertionError(f"block of G at ({i0}, {j0}) is not aligned to the {cfg.block_m} x {cfg.block_n} tiles")
-        if use_gluon and _GLUON_FAILED is None and (cols * g.element_size()) % 16 == 0:
+        if use_gluon and "backward" not in _GLUON_FAILED and (cols * g.element_size()) % 16 == 0:
             gkey = (g.data_ptr(), rows, cols)
             if gkey not in descs:
                 descs[gkey] = gluon_lse_kernels.make_desc(g, (gbm, gbn))
@@ -655,9 +699,7 @@ def lse_backward_triton(
                     **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
                 return
             except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet
-                if os.environ.get("DS_INFCL_GLUON", "auto") == "1":
-                    raise
-                _gluon_failed(err)  # this block and the rest take the Triton kernel (same tiles)
+                _gluon_failed(err, "backward")  # this block and the rest take the Triton kernel (same tiles)
         grid = (triton.cdiv(rows, cfg.block_m), triton.cdiv(cols, cfg.block_n))
         _LAST_KERNELS["bwd"] = _lse_bwd_g_kernel[grid](
             query, key, lab, r2, a, cl2, w, p, g, s_t, rng, v,

@@ -231,20 +231,59 @@ def _lse_fwd_kernel(
         c_max_v = tl.zeros_like(c_sum) + c_max
         least = tl.min(tl.where(col_ok, c_sum, 1.0), axis=0)
         if least < 8.271806125530277e-25:  # 2^-80: take this key block's columns exactly
-            c_max_v = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-            c_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for qb in range(pid_g, num_qblocks, num_g):
-                offs_m = qb * BLOCK_M + arange_m
-                row_ok = offs_m < b
-                acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
-                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-                valid = _valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE, HAS_LABELS)
-                x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
-                t_cmax = tl.max(x, axis=0)
-                t_csafe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
-                t_csum = tl.sum(tl.exp2((x - t_csafe[None, :]) * LOG2E), axis=0)
-                c_max_v, c_sum = _merge_max_sum(c_max_v, c_sum, t_cmax, t_csum)
+            c_max_v, c_sum = _exact_cols(q_ptr, k_ptr, lab_ptr, scale, b, c, stride_q, stride_k, offs_n, col_ok,
+                                         pid_g, num_qblocks, num_g, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+                                         UPCAST, EXACT_MUL, EXCLUDE, HAS_LABELS)
         cslot = pid_g.to(tl.int64) * m + offs_n
+        tl.store(col_max_ptr + cslot, c_max_v, mask=col_ok)
+        tl.store(col_sum_ptr + cslot, c_sum, mask=col_ok)
+
+
+@triton.jit
+def _exact_cols(q_ptr, k_ptr, lab_ptr, scale, b, c, stride_q, stride_k, offs_n, col_ok, g, num_qblocks, num_g,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+                EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr):
+    """(max, sum of exp(x - max)) of the columns ``offs_n`` over the query blocks ``g, g + num_g,
+    ...``, each tile shifted by its own column maxima: exact whatever the rows hold (the forward
+    kernels' fallback for a key block that fails their 2^-80 check)."""
+    arange_m = tl.arange(0, BLOCK_M)
+    c_max_v = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    c_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for qb in range(g, num_qblocks, num_g):
+        offs_m = qb * BLOCK_M + arange_m
+        row_ok = offs_m < b
+        acc = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, row_ok, col_ok, c, stride_q, stride_k,
+                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        valid = _valid(lab_ptr, offs_m, offs_n, row_ok, col_ok, EXCLUDE, HAS_LABELS)
+        x = tl.where(valid, _scaled(acc, scale, EXACT_MUL), float("-inf"))
+        t_cmax = tl.max(x, axis=0)
+        t_csafe = tl.where(t_cmax == float("-inf"), 0.0, t_cmax)
+        t_csum = tl.sum(tl.exp2((x - t_csafe[None, :]) * LOG2E), axis=0)
+        c_max_v, c_sum = _merge_max_sum(c_max_v, c_sum, t_cmax, t_csum)
+    return c_max_v, c_sum
+
+
+@triton.jit
+def _lse_fwd_cols_redo_kernel(
+    q_ptr, k_ptr, lab_ptr, redo_ptr, col_max_ptr, col_sum_ptr, scale_ptr,
+    b, m, c, stride_q, stride_k, num_qblocks, num_kblocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, EXACT_MUL: tl.constexpr,
+    EXCLUDE: tl.constexpr, HAS_LABELS: tl.constexpr,
+):
+    """Program ``(g, kb)``: if the Gluon forward (``_lse_fwd_hopper_kernel``) marked key block
+    ``kb`` of query group ``g`` in ``redo_ptr`` (its columns failed the 2^-80 check), their
+    (max, sum) slots ``[g, j]`` again, exactly (``_exact_cols``); otherwise nothing."""
+    g = tl.program_id(0)
+    kb = tl.program_id(1)
+    if tl.load(redo_ptr + g * num_kblocks + kb) != 0:
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < m
+        c_max_v, c_sum = _exact_cols(q_ptr, k_ptr, lab_ptr, tl.load(scale_ptr), b, c, stride_q, stride_k, offs_n,
+                                     col_ok, g, num_qblocks, tl.num_programs(0), BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                     PRECISION, UPCAST, EXACT_MUL, EXCLUDE, HAS_LABELS)
+        cslot = g.to(tl.int64) * m + offs_n
         tl.store(col_max_ptr + cslot, c_max_v, mask=col_ok)
         tl.store(col_sum_ptr + cslot, c_sum, mask=col_ok)
 

@@ -237,6 +237,8 @@ def test_gluon_backward_choice(monkeypatch):
     monkeypatch.setenv("DS_INFCL_GLUON", "1")
     with pytest.raises(RuntimeError, match="Gluon backward cannot run: .*CUDA GPU"):
         triton_lse._use_gluon(q, q)
+    with pytest.raises(RuntimeError, match="Gluon forward cannot run: .*CUDA GPU"):
+        triton_lse._use_gluon(q, q, "forward")
     monkeypatch.setenv("DS_INFCL_GLUON", "yes")
     with pytest.raises(ValueError, match="DS_INFCL_GLUON must be"):
         triton_lse._use_gluon(q, q)
@@ -256,8 +258,8 @@ def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
         calls.append(1)
         raise OutOfResources(262144, 232448, "shared memory")
 
-    monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k: triton_lse._GLUON_FAILED is None)
-    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", None)
+    monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k, kernel="backward": kernel not in triton_lse._GLUON_FAILED)
+    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", {"forward": "not this test's"})
     monkeypatch.setattr(gk, "make_desc", lambda t, block: None, raising=False)
     monkeypatch.setattr(gk, "launch_g_hopper", failing_launch, raising=False)
     monkeypatch.setenv("DS_INFCL_TRITON_CHUNK", "256x256")  # the fallback's 128-tiles: one block
@@ -270,7 +272,7 @@ def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
     monkeypatch.setenv("DS_INFCL_GLUON", "auto")
     with pytest.warns(RuntimeWarning, match="Gluon backward kernel could not be built"):
         dq, dk, ds = triton_lse.lse_backward_triton(q, k, 3.0, row, col, w_row, w_col)
-    assert len(calls) == 2 and triton_lse._GLUON_FAILED.startswith("OutOfResources")
+    assert len(calls) == 2 and triton_lse._GLUON_FAILED["backward"].startswith("OutOfResources")
     ref = triton_lse.lse_backward_triton(q, k, 3.0, row, col, w_row, w_col)  # _use_gluon now says no
     assert len(calls) == 2
     for got, want in zip((dq, dk, ds), ref):
@@ -333,3 +335,41 @@ def test_backward_blocks_fit_the_scratch_budget(b, m, c):
         assert (rows, cols) == (min(b, 8192), min(m, 8192))
     if (b, m, c) == (65536, 65536, 512):  # issue 3's memory target: under 0.25 GiB
         assert scratch < 0.25 * 2**30 and (rows, cols) == (8192, 6144)
+
+
+@pytest.mark.parametrize("exclude,with_labels", [(False, False), (True, False), (True, True)])
+def test_cols_redo_kernel_takes_marked_blocks_exactly(exclude, with_labels):
+    """``_lse_fwd_cols_redo_kernel``, the exact second pass behind the Gluon forward: the key
+    blocks marked for query group g get their (max, sum) slots [g, j] from g's rows alone (rows
+    of query blocks g, g + G, ...), with exclusion; unmarked slots are left as they were."""
+    from ds_infcl.ops.triton_lse_kernels import _lse_fwd_cols_redo_kernel
+
+    b, m, c, groups, block = 100, 70, 40, 3, 32  # 4 query blocks in 3 groups, 3 key blocks, c % 32 != 0
+    q, k = (t.float() for t in features(b, m, c, seed=9))
+    labels = _labels(b, m, seed=4) if with_labels else None
+    num_qblocks, num_kblocks = triton_lse.triton.cdiv(b, block), triton_lse.triton.cdiv(m, block)
+    redo = torch.zeros(groups * num_kblocks, dtype=torch.int32)
+    redo[[0, 4, 8]] = 1  # (g, kb) = (0, 0), (1, 1), (2, 2): the last key block is ragged
+    col_max = torch.full((groups, m), 7.0)
+    col_sum = torch.full((groups, m), 7.0)
+    lab, has_labels = triton_lse._labels_arg(q, labels, exclude)
+    _lse_fwd_cols_redo_kernel[(groups, num_kblocks)](
+        q, k, lab, redo, col_max, col_sum, triton_lse._scale_arg(5.0, q.device), b, m, c, q.stride(0), k.stride(0),
+        num_qblocks, num_kblocks, BLOCK_M=block, BLOCK_N=block, BLOCK_K=32, EXCLUDE=exclude, HAS_LABELS=has_labels,
+        num_warps=4, num_stages=1, **triton_lse._kernel_flags(q, c, 32))
+    x = 5.0 * q.double() @ k.double().T
+    if exclude:
+        rows = torch.arange(b) if with_labels else torch.arange(min(b, m))  # the diagonal ends at m
+        x[rows, labels if with_labels else rows] = float("-inf")
+    for g in range(groups):
+        rows = torch.cat([torch.arange(qb * block, min(b, (qb + 1) * block)) for qb in range(g, num_qblocks, groups)])
+        want = torch.logsumexp(x[rows], dim=0)
+        for kb in range(num_kblocks):
+            cols = slice(kb * block, min(m, (kb + 1) * block))
+            if redo[g * num_kblocks + kb]:
+                got = col_max[g, cols].double() + torch.log(col_sum[g, cols].double())
+                fin = torch.isfinite(want[cols])
+                assert torch.equal(torch.isfinite(got), fin)
+                assert rel_err(got[fin], want[cols][fin]) <= FP32_RTOL
+            else:
+                assert (col_max[g, cols] == 7.0).all() and (col_sum[g, cols] == 7.0).all()
