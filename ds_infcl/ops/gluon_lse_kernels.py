@@ -1,6 +1,6 @@
-"""The backward's ``G`` kernel for Hopper (sm_90) in Gluon: TMA loads by producer warps,
-asynchronous warpgroup MMAs, two consumer warpgroups taking turns at the tensor cores
-(ping-pong), a persistent grid, and ``G`` leaving through TMA stores.
+"""The backward's ``G`` kernel and the forward's statistics for Hopper (sm_90) in Gluon: TMA
+loads by producer warps, asynchronous warpgroup MMAs, two consumer warpgroups taking turns at the
+tensor cores (ping-pong), a persistent grid, and ``G`` leaving through TMA stores.
 
 Why (issue 17): the Triton ``_lse_bwd_g_kernel`` spends as long on its matrix products and the
 store of ``G`` alone (no exponential at all) as on the whole tile: 129 us per 8192 x 6144 block at
@@ -20,11 +20,22 @@ tile's ``G`` (the epilogue is the maths of ``_lse_bwd_g_kernel`` in
 H200 and H100; what is left is register pressure (a 128 x 128 fp32 tile per warpgroup, and the
 two-exponential branch spills).
 
-The launcher (``ds_infcl.ops.triton_lse``) picks this kernel on Hopper for 16-bit inputs whose
-rows are 16-byte aligned (``DS_INFCL_GLUON``), and the Triton kernel elsewhere (other GPUs,
+The forward's statistics (``_lse_fwd_hopper_kernel``) use the same structure: two consumer
+warpgroups, each one program ``(g, s)`` of the Triton ``_lse_fwd_kernel``'s grid with its own
+producer warp and ring, taking turns at the tensor cores (the one with fewer tiles keeps passing
+the turn until the other is done). Rows are merged per tile into their ``[S, b]`` slots as in
+the Triton kernel; for the columns each thread folds its own four rows of a tile (``_fold_rows``:
+rows ``64 a + 16 w + 8 h + l`` with ``a`` and ``h`` in its registers) into a ``[4, 8, BN]``
+accumulator shifted by one running maximum per thread, reduced across the warpgroup once per key
+block. A key block whose columns fail the 2^-80 check is marked in ``redo`` for the exact Triton
+pass ``_lse_fwd_cols_redo_kernel``. Measured (docs/kernels.md): 7.1-7.6 against 11.6 ms at
+65,536 x 512 on an H200.
+
+The launcher (``ds_infcl.ops.triton_lse``) picks these kernels on Hopper for 16-bit inputs whose
+rows are 16-byte aligned (``DS_INFCL_GLUON``), and the Triton kernels elsewhere (other GPUs,
 float32, the CPU interpreter). Importing this module needs a Triton with Gluon's Hopper API (3.6
 and later); ``AVAILABLE`` says whether it has one. The CPU check is an ahead-of-time compile for
-sm_90 (``ds_infcl.bench.triton_sass --kernels bwd_gluon``, ``tests/ops/test_triton_compile.py``).
+sm_90 (``ds_infcl.bench.triton_sass --kernels bwd_gluon fwd_gluon``, ``tests/ops/test_triton_compile.py``).
 """
 
 from __future__ import annotations

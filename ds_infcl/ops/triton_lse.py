@@ -28,6 +28,12 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
   with ``G * S`` at most one program per SM (``_forward_grid``: one wave), so it stays linear in ``b + m`` (never
   ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
   every SM.
+* On Hopper, for bf16/fp16 inputs and at least 2 x #SMs 128-tiles, the statistics come from
+  ``_lse_fwd_hopper_kernel`` instead (``ds_infcl.ops.gluon_lse_kernels``, Gluon): the same
+  ``[S, b]`` / ``[G, m]`` partials from ``G x S`` programs, two per SM (one per consumer
+  warpgroup, each with its own TMA producer warp; the warpgroups take turns at the tensor cores),
+  the column accumulator folded over each thread's own rows. Key blocks that fail the 2^-80
+  check are marked and taken again exactly by ``_lse_fwd_cols_redo_kernel`` (Triton).
 * ``_lse_bwd_g_kernel``: recomputes one tile of logits (once) and writes ``G`` (weights
   pre-scaled by a power of two in fp16, which would underflow) for a bounded block of
   ``CHUNK_ROWS x CHUNK_COLS`` pairs; both directions take one exponential per logit (per-row and
@@ -43,7 +49,7 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
 * On Hopper, for bf16/fp16 inputs, ``G`` comes from ``_lse_bwd_g_hopper_kernel`` instead
   (``ds_infcl.ops.gluon_lse_kernels``, Gluon): the same maths over a persistent grid with TMA
   producer warps, two consumer warpgroups taking turns at the tensor cores, and TMA stores of
-  ``G`` (``_use_gluon``; ``DS_INFCL_GLUON=0`` keeps the Triton kernel).
+  ``G`` (``_use_gluon``; ``DS_INFCL_GLUON=0`` keeps the Triton kernels, forward and backward).
 * ``_scale_out_kernel``: a float32 accumulator times ``scale`` into the output dtype, with the
   shares of ``ds = sum_ij G_ij q_i.k_j = sum_i q_i . (G k)_i`` from the same read.
 * ``_positive_kernel``: the positive logits ``x_{i, labels_i}``, or directly each block's share
