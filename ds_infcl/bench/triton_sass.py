@@ -99,7 +99,7 @@ def compile_for_hopper(name: str, config: str, dtype: str = "bf16", **flags):
 
 def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = False, **flags):
     """``triton.compile`` of the Gluon backward (``gluon_lse_kernels._lse_bwd_g_hopper_kernel``)
-    or, with ``forward``, the Gluon forward (``_lse_fwd_hopper_kernel``) for sm_90; ``config`` is
+    or, with ``forward``, the Gluon forward (``gluon_lse_forward._lse_fwd_hopper_kernel``) for sm_90; ``config`` is
     "BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]" as ``DS_INFCL_GLUON_TILES``
     (the forward: "BM,BN,BK,stages,pingpong[,consumer_regs,producer_regs,maxnreg]" as
     ``DS_INFCL_GLUON_FWD_TILES``), ``flags`` the epilogue switches (backward default: both
@@ -109,12 +109,13 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = F
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from ds_infcl.ops import gluon_lse_forward as F
     from ds_infcl.ops import gluon_lse_kernels as G
 
     if forward:
         bm, bn, bk, stages, pingpong, *regs = (int(v) for v in config.split(","))
         consumers = 2
-        switches, fn = dict(PINGPONG=bool(pingpong), **flags), G._lse_fwd_hopper_kernel
+        switches, fn = dict(PINGPONG=bool(pingpong), **flags), F._lse_fwd_hopper_kernel
     else:
         bm, bn, bk, stages, consumers, *regs = (int(v) for v in config.split(","))
         switches = dict(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
@@ -127,7 +128,7 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = F
         layout = gl.NVMMASharedLayout.get_default_for(shape, gdtype)
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
-    const = dict(STAGES=stages, FLAGS=G.g_flags(G.FWD_FLAG_BITS if forward else G.FLAG_BITS, **switches),
+    const = dict(STAGES=stages, FLAGS=G.g_flags(F.FLAG_BITS if forward else G.FLAG_BITS, **switches),
                  CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     if not forward:
         const["NCONS"] = consumers

@@ -29,7 +29,7 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
   ``b * m / tile``), and splitting the keys into ``S`` parts keeps a small ``b`` (1,024) busy on
   every SM.
 * On Hopper, for bf16/fp16 inputs and at least 2 x #SMs 128-tiles, the statistics come from
-  ``_lse_fwd_hopper_kernel`` instead (``ds_infcl.ops.gluon_lse_kernels``, Gluon): the same
+  ``_lse_fwd_hopper_kernel`` instead (``ds_infcl.ops.gluon_lse_forward``, Gluon): the same
   ``[S, b]`` / ``[G, m]`` partials from ``G x S`` programs, two per SM (one per consumer
   warpgroup, each with its own TMA producer warp; the warpgroups take turns at the tensor cores),
   the column accumulator folded over each thread's own rows. Key blocks that fail the 2^-80
@@ -75,7 +75,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 import triton
 
-from ds_infcl.ops import gluon_lse_kernels
+from ds_infcl.ops import gluon_lse_forward, gluon_lse_kernels
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
@@ -420,11 +420,11 @@ def lse_forward_triton(
             # read their mark and return).
             redo = torch.empty((groups * num_kblocks,), device=device, dtype=torch.int32)
             try:
-                _LAST_KERNELS["fwd"] = gluon_lse_kernels.launch_fwd_hopper(
+                _LAST_KERNELS["fwd"] = gluon_lse_forward.launch_fwd_hopper(
                     gluon_lse_kernels.make_desc(query, (gbm, gbk)), gluon_lse_kernels.make_desc(key, (gbn, gbk)),
                     lab, row_part, row_sum, col_max, col_sum, redo, s_t, b, m, num_qblocks, kblocks_per_split,
                     num_kblocks, groups, splits, c,
-                    gluon_lse_kernels.g_flags(gluon_lse_kernels.FWD_FLAG_BITS, EXCLUDE=exclude_positive,
+                    gluon_lse_kernels.g_flags(gluon_lse_forward.FLAG_BITS, EXCLUDE=exclude_positive,
                                               HAS_LABELS=has_labels, PINGPONG=bool(pingpong)),
                     stages, **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
             except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet

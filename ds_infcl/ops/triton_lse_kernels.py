@@ -1,3 +1,4 @@
+# Over 500 lines on purpose: the forward, backward and merge kernels share one set of tile helpers (_tile_dot, _scaled, _exp_shifted, _valid, _load_lse, _merge_max_sum).
 """The Triton kernels of the contrastive LSE op (their launchers, grid and chunking are in
 ``ds_infcl.ops.triton_lse``; the maths and the reading order are in that module's docstring)."""
 

@@ -290,6 +290,18 @@ def test_forward_gluon_and_triton_match_fp64(b, m, c, scale, exclude, dtype, imp
     _lse_check(f"{impl} forward b={b} m={m} c={c} s={scale} exclude={exclude} {dtype}", got, (ref, plain), dt)
 
 
+def _far_below_features(b, m, c=64, seed=5):
+    """Unit queries near +e1; keys alternating near +e1 and -e1: at scale 100 the odd columns'
+    logits sit ~200 below every row's maximum (their LSEs far below the rows')."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e1 = torch.zeros(c, device="cuda", dtype=torch.float64)
+    e1[0] = 1.0
+    q = e1 + 0.05 * torch.randn(b, c, device="cuda", generator=g, dtype=torch.float64)
+    sign = torch.where(torch.arange(m, device="cuda") % 2 == 0, 1.0, -1.0).double()
+    k = sign[:, None] * e1 + 0.05 * torch.randn(m, c, device="cuda", generator=g, dtype=torch.float64)
+    return (torch.nn.functional.normalize(t, dim=-1).to(torch.bfloat16) for t in (q, k))
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon forward is for Hopper")
 @pytest.mark.parametrize("impl", ["gluon", "triton"])
 def test_forward_columns_far_below_the_row_maxima(impl, monkeypatch):
@@ -298,16 +310,29 @@ def test_forward_columns_far_below_the_row_maxima(impl, monkeypatch):
     and take those columns again with per-tile shifts (the Gluon kernel marks them for
     ``_lse_fwd_cols_redo_kernel``). The column LSEs must still be exact."""
     monkeypatch.setenv("DS_INFCL_GLUON", "1" if impl == "gluon" else "0")
-    b = m = 4096
-    g = torch.Generator(device="cuda").manual_seed(5)
-    e1 = torch.zeros(64, device="cuda", dtype=torch.float64)
-    e1[0] = 1.0
-    q = e1 + 0.05 * torch.randn(b, 64, device="cuda", generator=g, dtype=torch.float64)
-    sign = torch.where(torch.arange(m, device="cuda") % 2 == 0, 1.0, -1.0).double()
-    k = sign[:, None] * e1 + 0.05 * torch.randn(m, 64, device="cuda", generator=g, dtype=torch.float64)
-    q, k = (torch.nn.functional.normalize(t, dim=-1).to(torch.bfloat16) for t in (q, k))
+    q, k = _far_below_features(4096, 4096)
     ref = lse_reference(q.double(), k.double(), 100.0)
     plain = lse_reference(q, k, 100.0, upcast=False)
     got = triton_lse.lse_forward_triton(q, k, 100.0)
     assert (ref[1][1::2] < ref[0].min() - 150).all()  # the case: odd columns far below every row
     _lse_check(f"{impl} forward, columns e^-200 below the rows", got, (ref, plain), torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="the Gluon backward is for Hopper")
+@pytest.mark.parametrize("impl", ["gluon", "triton"])
+def test_backward_two_exponential_tiles(impl, monkeypatch):
+    """The symmetric backward where rows' and columns' LSEs lie ~200 apart (``_far_below_features``):
+    every tile is outside the one-exponential range and takes two exponentials (the Gluon kernel's
+    ``_g_two_exp_g``, column half by column half). Gradients against float64."""
+    monkeypatch.setenv("DS_INFCL_GLUON", "1" if impl == "gluon" else "0")
+    q, k = _far_below_features(3000, 4096)
+    q, k = q.double(), k.double()
+    ref = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, None, symmetric=True),
+                          q, k, 100.0, torch.float64, 0.37)
+    plain = _loss_and_grads(lambda a, bb, s: contrastive_loss_reference(a, bb, s, None, symmetric=True, upcast=False),
+                            q, k, 100.0, torch.bfloat16, 0.37)
+    got = _loss_and_grads(lambda a, bb, s: contrastive_loss(a, bb, s, None, symmetric=True, backend="triton"),
+                          q, k, 100.0, torch.bfloat16, 0.37)
+    kernel = getattr(triton_lse._LAST_KERNELS["bwd"], "name", "")
+    assert kernel == ("_lse_bwd_g_hopper_kernel" if impl == "gluon" else "_lse_bwd_g_kernel"), kernel
+    _check_loss(f"{impl} backward, two-exponential tiles", got, plain, ref, torch.bfloat16)

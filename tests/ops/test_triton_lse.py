@@ -373,3 +373,40 @@ def test_cols_redo_kernel_takes_marked_blocks_exactly(exclude, with_labels):
                 assert rel_err(got[fin], want[cols][fin]) <= FP32_RTOL
             else:
                 assert (col_max[g, cols] == 7.0).all() and (col_sum[g, cols] == 7.0).all()
+
+
+def test_gluon_forward_build_failure_falls_back_to_triton_once(monkeypatch):
+    """As for the backward: a Triton that cannot build the Gluon forward costs one warning, and
+    the Triton forward gives the statistics from then on; DS_INFCL_GLUON=1 raises instead."""
+    from triton.runtime.errors import OutOfResources
+
+    from ds_infcl.ops import gluon_lse_forward as gf
+    from ds_infcl.ops import gluon_lse_kernels as gk
+
+    calls = []
+
+    def failing_launch(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k, kernel="backward": kernel not in triton_lse._GLUON_FAILED)
+    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", {"backward": "not this test's"})
+    monkeypatch.setattr(gk, "make_desc", lambda t, block: None, raising=False)
+    monkeypatch.setattr(gf, "launch_fwd_hopper", failing_launch, raising=False)
+    # The Gluon forward is chosen where the Triton one would run 128-tiles (as on Hopper).
+    monkeypatch.setattr(triton_lse, "_pick_config", lambda *args: triton_lse._Config(128, 128, 32, 4, 1))
+    q, k = (t.to(torch.float16) for t in features(150, 140, 40, seed=5))
+    monkeypatch.setenv("DS_INFCL_GLUON", "1")
+    with pytest.raises(OutOfResources):
+        triton_lse.lse_forward_triton(q, k, 3.0)
+    monkeypatch.setenv("DS_INFCL_GLUON", "auto")
+    with pytest.warns(RuntimeWarning, match="Gluon forward kernel could not be built"):
+        row, col = triton_lse.lse_forward_triton(q, k, 3.0)
+    assert len(calls) == 2 and triton_lse._GLUON_FAILED["forward"].startswith("OutOfResources")
+    again = triton_lse.lse_forward_triton(q, k, 3.0)  # _use_gluon now says no: no third attempt
+    assert len(calls) == 2
+    ref = lse_reference(q.double(), k.double(), 3.0)
+    plain = lse_reference(q, k, 3.0, upcast=False)
+    for got, rep, want, p in zip((row, col), again, ref, plain):
+        torch.testing.assert_close(got, rep)
+        assert rel_err(got, want) <= error_bound(torch.float16, rel_err(p, want))
