@@ -12,7 +12,9 @@ step costs inside a training step whose host runs ahead of the GPU, or under
 ``torch.compile(mode="reduce-overhead")``; a provider whose step cannot be captured gets a note). Times are medians of CUDA-event timings (with 20/80
 percentiles); TFLOP/s counts ``8 b m c`` for total, ``2 b m c`` for forward, ``6 b m c`` for
 backward; ``pct_matmul`` compares with the bf16 matmul rate (8192^3 ``torch.mm``) measured at the
-start of the same run. Each step starts with the gradients set to ``None`` (``zero_grad``'s
+start of the same run (measured again after it and printed), or with ``--matmul-tflops`` (a
+fixed rate: the percentages of docs/kernels.md divide by the highest rate read on each GPU,
+``--matmul-tflops 793`` on an H200, ``781`` on an H100). Each step starts with the gradients set to ``None`` (``zero_grad``'s
 default), so the gradients it returns become ``.grad``; ``extra_gib`` is the peak CUDA memory of
 one ``total`` step beyond the inputs and those gradients.
 
@@ -235,15 +237,24 @@ def main(argv=None) -> int:
     ap.add_argument("--max-b-materialized", type=int, default=65536)
     ap.add_argument("--out", default=None, help="folder for the CSV and PNG")
     ap.add_argument("--no-png", action="store_true")
+    ap.add_argument("--matmul-tflops", type=float, default=None,
+                    help="divide every %% mm by this bf16 matmul rate (TFLOP/s) instead of the one measured at "
+                         "the start, e.g. the highest rate read on this GPU: a GPU held below its clocks on "
+                         "random-data GEMMs reads low and flatters every %% (both readings are still printed)")
     args = ap.parse_args(argv)
+    if args.matmul_tflops is not None and not args.matmul_tflops > 0:
+        ap.error(f"--matmul-tflops must be a positive rate in TFLOP/s, got {args.matmul_tflops}")
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_INTERPRET", "0")
     gpu = torch.cuda.get_device_name()
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    mm = matmul_tflops()
-    print(f"# {gpu}, {stamp}, torch {torch.__version__}; bf16 matmul (8192^3) {mm:.0f} TFLOP/s", flush=True)
+    mm_start = matmul_tflops()
+    mm = args.matmul_tflops or mm_start
+    given = f"; the % mm below divide by the given {mm:.0f}" if args.matmul_tflops else ""
+    print(f"# {gpu}, {stamp}, torch {torch.__version__}; bf16 matmul (8192^3) {mm_start:.0f} TFLOP/s{given}",
+          flush=True)
     rows = []
     hdr = f"{'provider':12s} {'dtype':5s} {'b':>7s} {'c':>5s} {'mode':8s} {'median ms':>10s} {'TFLOP/s':>8s} {'% mm':>6s} {'ideal ms':>9s} {'extra GiB':>9s}"
     print(hdr, flush=True)
@@ -275,8 +286,9 @@ def main(argv=None) -> int:
     # The rate again after the run: a GPU whose clocks moved during the run (power, heat, a
     # neighbour) shows here, and every "% mm" above divides by the first reading.
     mm_end = matmul_tflops(warmup_s=0.5)
-    print(f"# bf16 matmul (8192^3) after the run: {mm_end:.0f} TFLOP/s ({100 * (mm_end / mm - 1):+.1f}% against "
-          f"the start's {mm:.0f}; the % mm above divide by the start's)", flush=True)
+    divisor = f"the given {mm:.0f}" if args.matmul_tflops else "the start's"
+    print(f"# bf16 matmul (8192^3) after the run: {mm_end:.0f} TFLOP/s ({100 * (mm_end / mm_start - 1):+.1f}% against "
+          f"the start's {mm_start:.0f}; the % mm above divide by {divisor})", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_").lower()
