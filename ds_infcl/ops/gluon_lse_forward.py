@@ -119,7 +119,7 @@ if AVAILABLE:
         ``[s, i]``, columns into a register accumulator of each thread's own rows, reduced across
         the warpgroup once per key block into ``[g, j]``. A key block whose columns fail the 2^-80
         check is marked in ``redo_ptr[g, kb]`` for ``_lse_fwd_cols_redo_kernel``."""
-        FLAGS: gl.constexpr = flag_buf.type.shape[0] - 1  # the bits of FWD_FLAG_BITS
+        FLAGS: gl.constexpr = flag_buf.type.shape[0] - 1  # the bits of FLAG_BITS
         EXCLUDE: gl.constexpr = (FLAGS & 1) != 0
         HAS_LABELS: gl.constexpr = (FLAGS & 2) != 0
         PINGPONG: gl.constexpr = (FLAGS & 4) != 0
