@@ -112,16 +112,15 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = F
     from ds_infcl.ops import gluon_lse_forward as F
     from ds_infcl.ops import gluon_lse_kernels as G
 
+    (bm, bn, bk, stages, fifth), regs = G.gluon_config(config)
     if forward:
-        bm, bn, bk, stages, pingpong, *regs = (int(v) for v in config.split(","))
         consumers = 2
-        switches, fn = dict(PINGPONG=bool(pingpong), **flags), F._lse_fwd_hopper_kernel
+        switches, fn = dict(PINGPONG=bool(fifth), **flags), F._lse_fwd_hopper_kernel
     else:
-        bm, bn, bk, stages, consumers, *regs = (int(v) for v in config.split(","))
+        consumers = fifth
         switches = dict(HAS_ROW=True, HAS_COL=True, HAS_POS=True, ONE_EXP=True)
         switches.update(flags)
         fn = G._lse_bwd_g_hopper_kernel
-    consumer_regs, producer_regs, maxnreg = (regs + [240, 24, 168][len(regs):])[:3]
     gdtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
 
     def desc(shape):
@@ -129,7 +128,7 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = F
         return f"tensordesc<{dtype}[{shape[0]}, {shape[1]}],{layout!r}>"
 
     const = dict(STAGES=stages, FLAGS=G.g_flags(F.FLAG_BITS if forward else G.FLAG_BITS, **switches),
-                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
+                 CONSUMER_REGS=regs["consumer_regs"], PRODUCER_REGS=regs["producer_regs"])
     if not forward:
         const["NCONS"] = consumers
     sig = {}
@@ -147,7 +146,7 @@ def compile_gluon_for_hopper(config: str, dtype: str = "bf16", forward: bool = F
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
     opts = dict(num_warps=4)
     if consumers == 2:
-        opts["maxnreg"] = maxnreg
+        opts["maxnreg"] = regs["maxnreg"]
     return triton.compile(GluonASTSource(fn, sig, const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=opts)
 

@@ -23,12 +23,14 @@ ahead-of-time compile for sm_90 (``ds_infcl.bench.triton_sass --kernels fwd_gluo
 
 from __future__ import annotations
 
-from ds_infcl.ops.gluon_lse_kernels import AVAILABLE
+from ds_infcl.ops.gluon_lse_kernels import AVAILABLE, REGS
 
 if AVAILABLE:  # Gluon is experimental: absent from older Triton releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    from ds_infcl.ops.gluon_lse_kernels import LOG2E, _ring_buffers, _ring_loads, _ring_products
 
 __all__ = ["FLAG_BITS", "launch_fwd_hopper"]
 
@@ -38,7 +40,6 @@ __all__ = ["FLAG_BITS", "launch_fwd_hopper"]
 FLAG_BITS = dict(EXCLUDE=1, HAS_LABELS=2, PINGPONG=4)
 
 if AVAILABLE:
-    LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
     def _fwd_work(which, groups, num_virtual, kblocks_per_split, num_kblocks):
@@ -64,19 +65,13 @@ if AVAILABLE:
         group's query blocks under each), K step by K step, into its ring."""
         STAGES: gl.constexpr = q_bufs.type.shape[0] // 2
         BM: gl.constexpr = q_bufs.type.shape[1]
-        BK: gl.constexpr = q_bufs.type.shape[2]
         BN: gl.constexpr = k_bufs.type.shape[1]
         v, g, kb_lo, kb_hi = _fwd_work(WHICH, groups, num_virtual, kblocks_per_split, num_kblocks)
         cnt = 0
         for kb in range(kb_lo, kb_hi):
             for qb in range(g, num_qblocks, groups):
-                for kk in range(ksteps):
-                    s = WHICH * STAGES + cnt % STAGES
-                    mbarrier.wait(empty.index(s), ((cnt // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [qb * BM, kk * BK], ready.index(s), q_bufs.index(s))
-                    tma.async_copy_global_to_shared(k_desc, [kb * BN, kk * BK], ready.index(s), k_bufs.index(s))
-                    cnt += 1
+                cnt = _ring_loads(q_desc, k_desc, q_bufs, k_bufs, ready, empty, qb * BM, kb * BN, cnt, ksteps,
+                                  WHICH, STAGES)
 
     @gluon.jit
     def _fold_rows(x, op: gl.constexpr):
@@ -150,23 +145,9 @@ if AVAILABLE:
                 seen = row_ok & (kb != kb_lo)
                 old_max = gl.load(row_max_ptr + slot, mask=seen, other=float("-inf"))
                 old_sum = gl.load(row_sum_ptr + slot, mask=seen, other=0.0)
-                acc = zero
-                if PINGPONG:  # the warpgroups take turns at the tensor cores: wait for ours
-                    mbarrier.wait(turn.index(WHICH), (j & 1) ^ (1 - WHICH))
-                for kk in range(ksteps):
-                    st = WHICH * STAGES + cnt % STAGES
-                    mbarrier.wait(ready.index(st), (cnt // STAGES) & 1)
-                    acc = warpgroup_mma(q_bufs.index(st), k_bufs.index(st).permute((1, 0)), acc, use_acc=kk > 0,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if kk > 0:
-                        mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
-                    cnt += 1
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                acc, cnt = _ring_products(q_bufs, k_bufs, ready, empty, turn, zero, cnt, j, ksteps, WHICH, STAGES,
+                                          PINGPONG)
                 j += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
                 x = acc * scale
                 masked = (not cols_full) or ((qb + 1) * BM > b)
                 if EXCLUDE:
@@ -255,21 +236,8 @@ if AVAILABLE:
         """The forward's partial statistics (``_lse_fwd_kernel``'s ``[S, b]`` row and ``[G, m]``
         column (max, sum) slots) over ``G x S`` virtual programs, two per program (one per
         consumer warpgroup: ``v = pid + which * P``), each with its own producer warp and ring."""
-        NCONS: gl.constexpr = 2
-        BM: gl.constexpr = q_desc.block_type.shape[0]
-        BK: gl.constexpr = q_desc.block_type.shape[1]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NCONS * STAGES, BM, BK], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NCONS * STAGES, BN, BK], k_desc.layout)
+        q_bufs, k_bufs, ready, empty, turn = _ring_buffers(q_desc, k_desc, 2, STAGES)
         flag_buf = gl.allocate_shared_memory(gl.int8, [FLAGS + 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(NCONS * STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        for s in gl.static_range(2):
-            mbarrier.init(turn.index(s), count=1)
         args = (q_desc, k_desc, q_bufs, k_bufs, flag_buf, ready, empty, turn, lab_ptr, row_max_ptr, row_sum_ptr, col_max_ptr,
                 col_sum_ptr, redo_ptr, scale_ptr, b, m, num_qblocks, kblocks_per_split, num_kblocks, groups,
                 num_virtual, ksteps)
@@ -278,7 +246,8 @@ if AVAILABLE:
 
     def launch_fwd_hopper(q_desc, k_desc, lab, row_max, row_sum, col_max, col_sum, redo, scale, b, m, num_qblocks,
                           kblocks_per_split, num_kblocks, groups, splits, c, flags, stages,
-                          consumer_regs=240, producer_regs=24, maxnreg=168):
+                          consumer_regs=REGS["consumer_regs"], producer_regs=REGS["producer_regs"],
+                          maxnreg=REGS["maxnreg"]):
         """Launch ``_lse_fwd_hopper_kernel`` over ``groups x splits`` virtual programs (two per
         program); returns the compiled kernel."""
         num_virtual = groups * splits

@@ -31,6 +31,8 @@ sm_90 (``ds_infcl.bench.triton_sass --kernels bwd_gluon fwd_gluon``, ``tests/ops
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 try:  # Gluon is experimental: absent from older Triton releases
@@ -49,12 +51,25 @@ try:  # Gluon is experimental: absent from older Triton releases
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "FLAG_BITS", "g_flags", "launch_g_hopper", "make_desc"]
+__all__ = ["AVAILABLE", "FLAG_BITS", "REGS", "g_flags", "gluon_config", "launch_g_hopper", "make_desc"]
 
 # The epilogue's constexpr switches, carried into the warp-specialized partitions as the length of
 # a small shared-memory buffer (a partition's arguments reach it as IR values, its buffers'
 # shapes as constants).
 FLAG_BITS = dict(HAS_ROW=1, HAS_COL=2, HAS_POS=4, EXCLUDE=8, HAS_LABELS=16, ONE_EXP=32)
+
+
+# The register split of a warp-specialized kernel (measured, docs/kernels.md): ``setmaxnreg`` for
+# the consumer warpgroups and for the producer warps, and the whole kernel's cap at launch.
+REGS = dict(consumer_regs=240, producer_regs=24, maxnreg=168)
+
+
+def gluon_config(text: str) -> Tuple[Tuple[int, ...], dict]:
+    """``(tiles, regs)`` of a Gluon kernel's config "BM,BN,BK,stages,X[,consumer_regs,
+    producer_regs,maxnreg]" (``X``: the G kernel's consumer warpgroups, the forward's turns);
+    ``regs`` as ``REGS``, with the values given."""
+    values = tuple(int(v) for v in text.split(","))
+    return values[:5], dict(REGS, **dict(zip(REGS, values[5:])))
 
 
 def g_flags(bits: dict = FLAG_BITS, **flags: bool) -> int:
@@ -83,6 +98,66 @@ if AVAILABLE:
         return gl.exp2(acc * x_log2 - gl.expand_dims(cl * LOG2E, 0))
 
     @gluon.jit
+    def _ring_buffers(q_desc, k_desc, NCONS: gl.constexpr, STAGES: gl.constexpr):
+        """One ring of ``STAGES`` operand slots per consumer warpgroup (each filled by its own
+        producer warp: a shared ring would let the second consumer, a whole tile ahead, read a
+        phase parity of the first's), their ``ready`` / ``empty`` barriers and the two ``turn``
+        barriers of the ping-pong, initialised: ``(q_bufs, k_bufs, ready, empty, turn)``."""
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        BK: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NCONS * STAGES, BM, BK], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NCONS * STAGES, BN, BK], k_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NCONS * STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for s in gl.static_range(2):
+            mbarrier.init(turn.index(s), count=1)
+        return q_bufs, k_bufs, ready, empty, turn
+
+    @gluon.jit
+    def _ring_loads(q_desc, k_desc, q_bufs, k_bufs, ready, empty, off_m, off_n, cnt, ksteps,
+                    WHICH: gl.constexpr, STAGES: gl.constexpr):
+        """A producer warp's share of one tile: its ``ksteps`` operand tiles (rows ``off_m`` of
+        ``q``, ``off_n`` of ``k``) into consumer ``WHICH``'s ring (slots ``WHICH * STAGES ...``),
+        each slot once its last use is done; ``cnt`` counts the ring's fills, returned updated."""
+        BK: gl.constexpr = q_bufs.type.shape[2]
+        for kk in range(ksteps):
+            s = WHICH * STAGES + cnt % STAGES
+            mbarrier.wait(empty.index(s), ((cnt // STAGES) & 1) ^ 1)  # the slot's last use is done
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_m, kk * BK], ready.index(s), q_bufs.index(s))
+            tma.async_copy_global_to_shared(k_desc, [off_n, kk * BK], ready.index(s), k_bufs.index(s))
+            cnt += 1
+        return cnt
+
+    @gluon.jit
+    def _ring_products(q_bufs, k_bufs, ready, empty, turn, acc, cnt, j, ksteps,
+                       WHICH: gl.constexpr, STAGES: gl.constexpr, TURNS: gl.constexpr):
+        """A consumer warpgroup's products of one tile (its ``j``-th) from its ring, into ``acc``;
+        with ``TURNS`` it waits for its turn at the tensor cores first and hands the turn on once
+        its products are issued (ping-pong). Each slot goes back to the producer when the product
+        that read it is done. Returns ``(acc, cnt)``."""
+        if TURNS:
+            mbarrier.wait(turn.index(WHICH), (j & 1) ^ (1 - WHICH))
+        for kk in range(ksteps):
+            s = WHICH * STAGES + cnt % STAGES
+            mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+            acc = warpgroup_mma(q_bufs.index(s), k_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if kk > 0:  # the previous step's product is done: its slot goes back to the producer
+                mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
+            cnt += 1
+        if TURNS:  # the other warpgroup's products may start behind ours
+            mbarrier.arrive(turn.index(1 - WHICH), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
+        return acc, cnt
+
+    @gluon.jit
     def _g_produce(q_desc, k_desc, q_bufs, k_bufs, g_bufs, ready, empty, i0, j0, rows, cols, ksteps,
                    WHICH: gl.constexpr):
         """One warp: the operands of consumer ``WHICH``'s tiles, K step by K step, into its ring
@@ -90,7 +165,6 @@ if AVAILABLE:
         NCONS: gl.constexpr = g_bufs.type.shape[0]
         STAGES: gl.constexpr = q_bufs.type.shape[0] // NCONS
         BM: gl.constexpr = q_bufs.type.shape[1]
-        BK: gl.constexpr = q_bufs.type.shape[2]
         BN: gl.constexpr = k_bufs.type.shape[1]
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
@@ -98,15 +172,8 @@ if AVAILABLE:
         num_tiles = gl.cdiv(rows, BM) * tiles_n
         cnt = 0
         for t in range(pid + WHICH * nprog, num_tiles, NCONS * nprog):
-            off_m = i0 + (t // tiles_n) * BM
-            off_n = j0 + (t % tiles_n) * BN
-            for kk in range(ksteps):
-                s = WHICH * STAGES + cnt % STAGES
-                mbarrier.wait(empty.index(s), ((cnt // STAGES) & 1) ^ 1)  # the slot's last use is done
-                mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [off_m, kk * BK], ready.index(s), q_bufs.index(s))
-                tma.async_copy_global_to_shared(k_desc, [off_n, kk * BK], ready.index(s), k_bufs.index(s))
-                cnt += 1
+            cnt = _ring_loads(q_desc, k_desc, q_bufs, k_bufs, ready, empty, i0 + (t // tiles_n) * BM,
+                              j0 + (t % tiles_n) * BN, cnt, ksteps, WHICH, STAGES)
 
     @gluon.jit
     def _g_consume(g_desc, q_bufs, k_bufs, g_bufs, flag_buf, ready, empty, turn, i0, j0, rows, cols,
@@ -139,23 +206,10 @@ if AVAILABLE:
         for t in range(pid + WHICH * nprog, num_tiles, NCONS * nprog):
             pid_m = t // tiles_n
             pid_n = t % tiles_n
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma)
-            if NCONS == 2:  # the warpgroups take turns at the tensor cores (ping-pong): wait for ours
-                mbarrier.wait(turn.index(WHICH), (j & 1) ^ (1 - WHICH))
-            for kk in range(ksteps):
-                s = WHICH * STAGES + cnt % STAGES
-                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
-                acc = warpgroup_mma(q_bufs.index(s), k_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if kk > 0:  # the previous step's product is done: its slot goes back to the producer
-                    mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
-                cnt += 1
-            if NCONS == 2:  # the other warpgroup's products may start behind ours
-                mbarrier.arrive(turn.index(1 - WHICH), count=1)
+            # Two warpgroups take turns at the tensor cores (ping-pong).
+            acc, cnt = _ring_products(q_bufs, k_bufs, ready, empty, turn, gl.zeros((BM, BN), dtype=gl.float32, layout=mma),
+                                      cnt, j, ksteps, WHICH, STAGES, NCONS == 2)
             j += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(WHICH * STAGES + (cnt - 1) % STAGES), count=1)
 
             loc_m = pid_m * BM + gl.arange(0, BM, layout=row_l)
             loc_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
@@ -276,24 +330,11 @@ if AVAILABLE:
                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """``G`` for the block ``[i0, i0 + rows) x [j0, j0 + cols)`` into ``g_desc`` (``[rows,
         cols]``), over a persistent grid: program ``p`` takes the tiles ``p, p + P, ...``."""
-        BM: gl.constexpr = q_desc.block_type.shape[0]
-        BK: gl.constexpr = q_desc.block_type.shape[1]
-        BN: gl.constexpr = k_desc.block_type.shape[0]
-        # One ring of STAGES slots per consumer warpgroup, each filled by its own producer warp (a
-        # shared ring would let the second consumer, a whole tile ahead, read a phase parity of
-        # the first's).
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NCONS * STAGES, BM, BK], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NCONS * STAGES, BN, BK], k_desc.layout)
+        q_bufs, k_bufs, ready, empty, turn = _ring_buffers(q_desc, k_desc, NCONS, STAGES)
+        BM: gl.constexpr = g_desc.block_type.shape[0]
+        BN: gl.constexpr = g_desc.block_type.shape[1]
         g_bufs = gl.allocate_shared_memory(g_desc.dtype, [NCONS, BM, BN], g_desc.layout)
         flag_buf = gl.allocate_shared_memory(gl.int8, [FLAGS + 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NCONS * STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(NCONS * STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        for s in gl.static_range(2):
-            mbarrier.init(turn.index(s), count=1)
         args = (q_desc, k_desc, g_desc, q_bufs, k_bufs, g_bufs, flag_buf, ready, empty, turn, i0, j0, rows, cols, ksteps,
                 lab_ptr, r_ptr, a_ptr, cl_ptr, w_ptr, p_ptr, scale_ptr, rng_ptr, v_ptr,
                 stride_a, stride_w, stride_p, num_rblocks, num_cblocks)
@@ -316,7 +357,8 @@ if AVAILABLE:
 
     def launch_g_hopper(q_desc, k_desc, g_desc, c, i0, j0, lab, r, a, cl, w, p, scale, rng, v, stride_a, stride_w,
                         stride_p, num_rblocks, num_cblocks, flags, stages, programs,
-                        consumers=2, consumer_regs=240, producer_regs=24, maxnreg=168):
+                        consumers=2, consumer_regs=REGS["consumer_regs"], producer_regs=REGS["producer_regs"],
+                        maxnreg=REGS["maxnreg"]):
         """Launch ``_lse_bwd_g_hopper_kernel`` for one block of ``G`` (``g_desc`` over ``[rows,
         cols]``, row-major; descriptors from ``make_desc``); returns the compiled kernel."""
         rows, cols = g_desc.shape

@@ -222,27 +222,19 @@ def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
 # The Gluon G kernel's tiles: BLOCK_M, BLOCK_N, BLOCK_K, stages per ring, consumer warpgroups
 # (2 rings x 4 x 16 KiB and 2 x 32 KiB of G staging; measured against 64-row, 64-column, 2-3
 # stage and single-consumer variants, docs/kernels.md).
-GLUON_TILES = (128, 128, 32, 4, 2)
-
-
-def _gluon_tiles() -> Tuple[int, ...]:
-    """``GLUON_TILES``, or ``DS_INFCL_GLUON_TILES="BM,BN,BK,stages,consumers[,consumer_regs,
-    producer_regs,maxnreg]"`` (tuning)."""
-    env = os.environ.get("DS_INFCL_GLUON_TILES")
-    return tuple(int(v) for v in env.split(",")) if env else GLUON_TILES
-
-
+GLUON_TILES = "128,128,32,4,2"
 # The Gluon forward's tiles: BLOCK_M, BLOCK_N, BLOCK_K, stages per ring (two consumer warpgroups,
 # each with its ring of 3 x 32 KiB), and 1 for the warpgroups taking turns at the tensor cores
 # (measured against 32-wide K steps with 4 or 6 stages, 2 stages, no turns: docs/kernels.md).
-GLUON_FWD_TILES = (128, 128, 64, 3, 1)
+GLUON_FWD_TILES = "128,128,64,3,1"
 
 
-def _gluon_fwd_tiles() -> Tuple[int, ...]:
-    """``GLUON_FWD_TILES``, or ``DS_INFCL_GLUON_FWD_TILES="BM,BN,BK,stages,pingpong[,
-    consumer_regs,producer_regs,maxnreg]"`` (tuning)."""
-    env = os.environ.get("DS_INFCL_GLUON_FWD_TILES")
-    return tuple(int(v) for v in env.split(",")) if env else GLUON_FWD_TILES
+def _gluon_tiles(env: str, default: str) -> Tuple[Tuple[int, ...], dict]:
+    """A Gluon kernel's ``(tiles, regs)`` (``gluon_lse_kernels.gluon_config``): ``default``, or the
+    environment variable ``env`` for tuning (``DS_INFCL_GLUON_TILES="BM,BN,BK,stages,consumers[,
+    consumer_regs,producer_regs,maxnreg]"``, ``DS_INFCL_GLUON_FWD_TILES="BM,BN,BK,stages,turns[,
+    ...]"``)."""
+    return gluon_lse_kernels.gluon_config(os.environ.get(env) or default)
 
 
 # Why a Gluon kernel ("forward" / "backward") could not be built in this process
@@ -393,7 +385,7 @@ def lse_forward_triton(
     gluon = (compute_col and cfg.block_m == 128 and _env_config("DS_INFCL_TRITON_FWD") is None
              and _use_gluon(query, key, "forward"))
     if gluon:  # the Gluon kernel's tiles; the Triton kernel's K step and warps for its redo pass
-        gbm, gbn, gbk, stages, pingpong, *gregs = _gluon_fwd_tiles()
+        (gbm, gbn, gbk, stages, pingpong), gregs = _gluon_tiles("DS_INFCL_GLUON_FWD_TILES", GLUON_FWD_TILES)
         cfg = cfg._replace(block_m=gbm, block_n=gbn)
     num_qblocks = triton.cdiv(b, cfg.block_m)
     num_kblocks = triton.cdiv(m, cfg.block_n)
@@ -426,7 +418,7 @@ def lse_forward_triton(
                     num_kblocks, groups, splits, c,
                     gluon_lse_kernels.g_flags(gluon_lse_forward.FLAG_BITS, EXCLUDE=exclude_positive,
                                               HAS_LABELS=has_labels, PINGPONG=bool(pingpong)),
-                    stages, **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
+                    stages, **gregs)
             except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet
                 _gluon_failed(err, "forward")
                 return lse_forward_triton(query, key, scale, labels=labels, exclude_positive=exclude_positive)
@@ -671,7 +663,7 @@ def lse_backward_triton(
     lab, has_labels = _labels_arg(query, labels, exclude_positive or has_pos)
     use_gluon = _use_gluon(query, key)
     if use_gluon:  # the Triton kernel takes the same tiles where a block's rows are not aligned
-        gbm, gbn, gbk, stages, consumers, *gregs = _gluon_tiles()
+        (gbm, gbn, gbk, stages, consumers), gregs = _gluon_tiles("DS_INFCL_GLUON_TILES", GLUON_TILES)
         cfg = _Config(gbm, gbn, gbk, 8, 3)
         gflags = gluon_lse_kernels.g_flags(HAS_ROW=has_row, HAS_COL=has_col, HAS_POS=has_pos, EXCLUDE=exclude_positive,
                                            HAS_LABELS=has_labels, ONE_EXP=ONE_EXP)
@@ -701,8 +693,7 @@ def lse_backward_triton(
             try:
                 _LAST_KERNELS["bwd"] = gluon_lse_kernels.launch_g_hopper(
                     descs["q"], descs["k"], descs[gkey], c, i0, j0, lab, r2, a, cl2, w, p, s_t, rng, v, sa, sw, sp,
-                    n_rb, n_cb, gflags, stages, _num_sms(device), consumers=consumers,
-                    **dict(zip(("consumer_regs", "producer_regs", "maxnreg"), gregs)))
+                    n_rb, n_cb, gflags, stages, _num_sms(device), consumers=consumers, **gregs)
                 return
             except _gluon_build_errors() as err:  # built at the first launch: nothing ran yet
                 _gluon_failed(err, "backward")  # this block and the rest take the Triton kernel (same tiles)

@@ -244,10 +244,10 @@ def test_gluon_backward_choice(monkeypatch):
         triton_lse._use_gluon(q, q)
 
 
-def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
-    """A Triton release that cannot build the Gluon kernel (its API is experimental) costs a
-    warning, once, and the Triton kernel writes G (same tiles and ranges); with
-    DS_INFCL_GLUON=1 the build error propagates instead."""
+def _gluon_build_fails(monkeypatch, kernel, module, launcher):
+    """Make the Gluon ``kernel`` ("forward" / "backward") look available whose launch ``launcher``
+    of ``module`` raises a build error (the other Gluon kernel marked as failed, so that only this
+    one is tried); returns the list that counts the attempts."""
     from triton.runtime.errors import OutOfResources
 
     from ds_infcl.ops import gluon_lse_kernels as gk
@@ -258,10 +258,23 @@ def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
         calls.append(1)
         raise OutOfResources(262144, 232448, "shared memory")
 
+    other = "forward" if kernel == "backward" else "backward"
     monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k, kernel="backward": kernel not in triton_lse._GLUON_FAILED)
-    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", {"forward": "not this test's"})
+    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", {other: "not this test's"})
     monkeypatch.setattr(gk, "make_desc", lambda t, block: None, raising=False)
-    monkeypatch.setattr(gk, "launch_g_hopper", failing_launch, raising=False)
+    monkeypatch.setattr(module, launcher, failing_launch, raising=False)
+    return calls
+
+
+def test_gluon_build_failure_falls_back_to_triton_once(monkeypatch):
+    """A Triton release that cannot build the Gluon kernel (its API is experimental) costs a
+    warning, once, and the Triton kernel writes G (same tiles and ranges); with
+    DS_INFCL_GLUON=1 the build error propagates instead."""
+    from triton.runtime.errors import OutOfResources
+
+    from ds_infcl.ops import gluon_lse_kernels as gk
+
+    calls = _gluon_build_fails(monkeypatch, "backward", gk, "launch_g_hopper")
     monkeypatch.setenv("DS_INFCL_TRITON_CHUNK", "256x256")  # the fallback's 128-tiles: one block
     monkeypatch.setenv("DS_INFCL_GLUON", "1")
     q, k = (t.to(torch.float16) for t in features(70, 48, 40, seed=3))  # rows of G: 96 bytes
@@ -381,18 +394,8 @@ def test_gluon_forward_build_failure_falls_back_to_triton_once(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     from ds_infcl.ops import gluon_lse_forward as gf
-    from ds_infcl.ops import gluon_lse_kernels as gk
 
-    calls = []
-
-    def failing_launch(*args, **kwargs):
-        calls.append(1)
-        raise OutOfResources(262144, 232448, "shared memory")
-
-    monkeypatch.setattr(triton_lse, "_use_gluon", lambda q, k, kernel="backward": kernel not in triton_lse._GLUON_FAILED)
-    monkeypatch.setattr(triton_lse, "_GLUON_FAILED", {"backward": "not this test's"})
-    monkeypatch.setattr(gk, "make_desc", lambda t, block: None, raising=False)
-    monkeypatch.setattr(gf, "launch_fwd_hopper", failing_launch, raising=False)
+    calls = _gluon_build_fails(monkeypatch, "forward", gf, "launch_fwd_hopper")
     # The Gluon forward is chosen where the Triton one would run 128-tiles (as on Hopper).
     monkeypatch.setattr(triton_lse, "_pick_config", lambda *args: triton_lse._Config(128, 128, 32, 4, 1))
     q, k = (t.to(torch.float16) for t in features(150, 140, 40, seed=5))
