@@ -15,6 +15,13 @@ host, per algorithm (``DS_INFCL_ALGORITHM`` = ``gather`` / ``ring``), with ``tor
   inside the loop (on CPU this includes the arithmetic itself: use a small ``--batch`` to see
   the host overhead alone).
 
+With ``--phases`` (distributed only) every rank also prints where the host's time of a call goes,
+without the profiler (which slows every operator): the host milliseconds per call spent inside
+each step of the call (``_PHASES``: the layout exchange, the collectives, the CUDA-graph replays,
+the merges, the Function's forward and backward; inclusive, so nested steps count in both), the
+host time of every timed call (a stall shows as one outlier) and the call's GPU time (CUDA
+events). A call whose host time is close to its GPU time is bound by the host.
+
 Run on every rank of a group, e.g. ``torchrun --nproc_per_node 2 -m ds_infcl.bench.host_prof
 --batch 4096 --dim 512`` (gloo on CPU, NCCL on CUDA). Rank 0 prints one table row per algorithm
 and, with ``--detail``, the operator counts per call. As one plain process (``python -m
@@ -78,6 +85,78 @@ def _label_kernel_ops():
             setattr(mod, name, fn)
 
 
+# Steps of a distributed call timed by --phases: module -> functions looked up there at call time.
+_PHASES = {
+    "ds_infcl.loss.ring": ("exchange_layout",),
+    "ds_infcl.loss.ring_fused": ("all_gather_rows", "reduce_scatter_rows", "run_graphed", "_diagonal_loss",
+                                 "_merge_column_statistics", "_share_and_sum", "_weight", "column_weights"),
+}
+
+
+@contextlib.contextmanager
+def _timed_phases(spent, calls):
+    """Add each step's host seconds to ``spent[name]`` and its calls to ``calls[name]``."""
+    import importlib
+
+    from ds_infcl.loss.ring_fused import GatherInfoNCEFunction, RingInfoNCEFunction
+
+    def timed(fn, name):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return wrapped
+
+    saved = []
+    for mod_name, names in _PHASES.items():
+        mod = importlib.import_module(mod_name)
+        for name in names:
+            saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, timed(getattr(mod, name), name))
+    for cls in (GatherInfoNCEFunction, RingInfoNCEFunction):
+        for name in ("forward", "backward"):
+            fn = cls.__dict__[name]
+            saved.append((cls, name, fn))
+            setattr(cls, name, staticmethod(timed(fn.__func__, f"{cls.__name__}.{name}")))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def _phases(q, k, s, args, rank, world, label) -> None:
+    """``--phases``: per rank, the host time per step of a call (see the module doc)."""
+    spent, calls = collections.Counter(), collections.Counter()
+    per_call, gpu = [], []
+    with _timed_phases(spent, calls):
+        for _ in range(args.calls):
+            if q.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            _one_call(q, k, s, args.backend, args.tile_size)
+            per_call.append((time.perf_counter() - t0) * 1e3)
+            if q.is_cuda:
+                end.record()
+                torch.cuda.synchronize()
+                gpu.append(start.elapsed_time(end))
+    n = args.calls
+    med = sorted(per_call)[n // 2]
+    lines = [f"== {label} rank {rank}: host ms per call median {med:.2f}, max {max(per_call):.2f} "
+             f"(call {per_call.index(max(per_call))} of {n})"
+             + (f"; GPU ms per call (CUDA events) median {sorted(gpu)[n // 2]:.2f}" if gpu else "")]
+    lines += [f"   {name:36s} {t / n * 1e3:8.3f} ms/call  ({calls[name] / n:g} calls)"
+              for name, t in spent.most_common()]
+    for r in range(world):  # one rank after the other
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
+
+
 def _inside_kernel_op(e) -> bool:
     while e is not None:
         if e.name.startswith("kernel_op::"):
@@ -139,7 +218,11 @@ def main(argv=None) -> None:
     p.add_argument("--detail", action="store_true", help="print the operator counts per call")
     p.add_argument("--cprofile", action="store_true",
                    help="also print the Python functions with the most own time (cProfile, rank 0)")
+    p.add_argument("--phases", action="store_true",
+                   help="also print, per rank, the host time of each step of a call (no profiler; distributed only)")
     args = p.parse_args(argv)
+    if args.phases and "RANK" not in os.environ:
+        p.error("--phases times the steps of the distributed call: run under torchrun")
 
     cuda = torch.cuda.is_available()
     # Under torchrun: the distributed loss, per algorithm. One plain process: the single-device
@@ -183,6 +266,8 @@ def main(argv=None) -> None:
             rows.append((alg, b, aten, top, glue, launches, host, wall))
             if args.cprofile:
                 _python_profile(q, k, s, args, rank, f"{alg} b={b}")
+            if args.phases:
+                _phases(q, k, s, args, rank, dist.get_world_size(), f"{alg} b={b}")
             if rank == 0 and args.detail:
                 print(f"== {alg} b={b}: top-level aten ops per call outside the backends' block functions")
                 for name, n in counts.most_common():

@@ -93,7 +93,11 @@ def run_point(impl, b, c, dtype, group, args):
         finally:
             os.environ.pop("DS_INFCL_ALGORITHM", None)
     from ds_infcl.loss import contrastive_loss
+    from ds_infcl.ops.infonce_graph import clear_graphs
 
+    # Each point starts without cached CUDA graphs, as a training run of one shape would: the
+    # cache keeps the first shapes' graphs (MAX_GRAPHS) and would run later points eagerly.
+    clear_graphs()
     openclip = None
     if impl == "openclip":  # OpenCLIP's ClipLoss as its users run it across GPUs
         try:

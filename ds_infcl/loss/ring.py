@@ -353,6 +353,7 @@ def ring_infonce(
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
+        explicit_labels=labels is not None,
     )
     if labels is not None:
         labels = labels.to(device=query.device, dtype=torch.long)

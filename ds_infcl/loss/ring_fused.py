@@ -16,7 +16,8 @@ symmetric (else 1). Its share of the loss and the global value are::
     share_r = (f / B) sum_i (row_i - pos_i)  [+ (f / B) sum_i (col'_i - pos_i)]     L = sum_r share_r
 
 ``row_i`` over all keys of all ranks, ``col'_i`` the column LSE of query i's positive key over all
-queries, ``pos_i = s q_i . k_{l_i}``. The forward all-reduces the share (every rank returns ``L``);
+queries, ``pos_i = s q_i . k_{l_i}``. The forward all-reduces the share (every rank returns ``L``;
+the gather path's symmetric loss with diagonal labels needs no all-reduce, see ``_diagonal_loss``);
 the backward, with upstream ``g``, uses the weight ``w = g W f / B`` (the ``W`` of the data-parallel
 contract, see ``ds_infcl.ring.collectives``) for every LSE term and ``-w`` per direction for each
 positive logit.
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
-from ds_infcl.ops.infonce_graph import run_graphed
+from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, run_graphed
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
 
@@ -83,35 +84,62 @@ def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Te
     return (grad if grad.dtype == _F32 else grad.float()) * factor
 
 
-def _merge_column_statistics(col_part: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
+def _merge_column_statistics(payload: torch.Tensor, layout: RingLayout, group, extra: bool = False):
     """The global column LSE ``[M]`` on every rank from each rank's partial one over its own
-    queries: one all-gather of ``W x M`` floats and a log-sum-exp over the ranks."""
+    queries: one all-gather of ``W x M`` floats and a log-sum-exp over the ranks. With ``extra``,
+    each rank's payload ends with one more float that rides along; returns ``(col, that float of
+    every rank [W])`` then."""
+    m = layout.num_keys
     if layout.world == 1:
-        return col_part
-    parts = col_part.new_empty((layout.world * col_part.shape[0],))
-    all_gather_single(parts, col_part.contiguous(), group=group)
-    return torch.logsumexp(parts.view(layout.world, -1), dim=0)
+        return (payload[:m], payload[m:]) if extra else payload
+    parts = payload.new_empty((layout.world * payload.shape[0],)).view(layout.world, -1)
+    all_gather_single(parts.view(-1), payload.contiguous(), group=group)
+    col = torch.logsumexp(parts[:, :m], dim=0)
+    return (col, parts[:, m]) if extra else col
 
 
-def _gather_forward_fn(symmetric, backend, tile_size):
+def _diagonal_loss(payload: torch.Tensor, layout: RingLayout, group):
+    """``(col, L)`` of the symmetric loss when no rank passed labels, without an all-reduce: each
+    rank's row term ``sum_i (row_i - 2 pos_i)`` ends its payload of column statistics (one
+    all-gather), and the column term ``sum_i col_{offset_r + i}`` over every rank's queries is
+    known to all once ``col`` is (query ``i`` of rank ``r`` is paired with key ``offset_r + i``)."""
+    col, terms = _merge_column_statistics(payload, layout, group, extra=True)
+    if layout.query_sizes == layout.key_sizes:  # every key is some query's positive (CLIP)
+        cols = col.sum()
+    else:
+        cols = torch.cat([col[layout.key_offset(r): layout.key_offset(r) + b]
+                          for r, b in enumerate(layout.query_sizes)]).sum()
+    return col, (terms.sum() + cols) * (0.5 / layout.num_queries)
+
+
+def _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
     """The gather path's local forward kernels as a function of tensors (what a graph captures):
-    ``(row [b], partial col [M] or None, positive logits [b])``."""
+    ``(row [b], payload, positive logits [b] or None)``. The payload goes to the all-gather of the
+    column statistics: the partial column statistics ``[M]`` (symmetric), followed by this rank's
+    row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``_diagonal_loss``; ``pos`` is
+    then not returned). This rank's keys are rows ``[offset, offset + m)`` of ``key_all``."""
 
-    def forward(query, key_all, s, key, labels):
+    def forward(query, key_all, s, labels):
         row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
                                     tile_size=tile_size)
-        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, backend=backend,
+                                      tile_size=tile_size)
+        if symmetric and diagonal:
+            return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
         return row, col_part, pos
 
     return forward
 
 
-def _gather_backward_fn(backend, tile_size):
-    """The gather path's local backward: ``(dq, d key_all, dscale)``, float32."""
+def _gather_backward_fn(symmetric, backend, tile_size):
+    """The gather path's local backward: ``(dq, d key_all, dscale)``, float32, for the upstream
+    weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for each positive logit."""
 
-    def backward(query, key_all, s, row, col, grad_row, grad_col, labels, grad_pos):
-        return lse_backward(query, key_all, s, row, col, grad_row, grad_col, labels=labels,
-                            grad_pos=grad_pos, backend=backend, tile_size=tile_size)
+    def backward(query, key_all, s, row, col, w, grad_col, labels):
+        b = query.shape[0]
+        return lse_backward(query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
+                            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
+                            tile_size=tile_size)
 
     return backward
 
@@ -122,7 +150,8 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     zero gradients), with no autograd node of their own:
 
     - forward: the all-gather of the keys, then (symmetric) the all-gather of each rank's partial
-      column statistics over its own queries, merged by a log-sum-exp into the global ones;
+      column statistics over its own queries, merged by a log-sum-exp into the global ones, then
+      the all-reduce of the shares (not with diagonal labels: ``_diagonal_loss``);
     - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners,
       then the reduce-scatter of the float32 gradient of the gathered keys.
 
@@ -136,20 +165,28 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
         key_all = all_gather_rows(key, layout.key_sizes, group)
-        row = col = pos = col_pos = None
+        m, offset, num_keys = key.shape[0], layout.key_offset(), layout.num_keys
+        diagonal = symmetric and layout.diagonal  # (the same on every rank: from the layout)
+        row = col = pos = col_pos = payload = None
         if b:  # the local kernels, replayed from a CUDA graph where small shapes repeat
-            row, col_part, pos = run_graphed(
-                "gather_forward", _gather_forward_fn(symmetric, backend, tile_size),
-                (query, key_all, s, key, labels), options=(symmetric, tile_size),
-                logits=b * layout.num_keys, backend=backend)
-        elif symmetric:  # no queries here: an empty sum for every key
-            col_part = torch.full((layout.num_keys,), float("-inf"), device=query.device, dtype=_F32)
-        if symmetric:
-            col = _merge_column_statistics(col_part, layout, group)
-            if b:
-                offset = layout.key_offset()
-                col_pos = _positive_rows(col[offset: offset + key.shape[0]], labels, b)
-        loss = _share_and_sum(row, col_pos, pos, layout, group, query.device)
+            # payload and pos are read right away (the all-gather, the share): a replay may hand
+            # over its own buffers; row is kept for the backward, a copy.
+            row, payload, pos = run_graphed(
+                "gather_forward", _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m),
+                (query, key_all, s, labels), options=(symmetric, diagonal, tile_size, offset, m),
+                logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2))
+        elif symmetric:  # no queries here: an empty sum for every key (and a zero row term)
+            payload = torch.full((num_keys + diagonal,), float("-inf"), device=query.device, dtype=_F32)
+            if diagonal:
+                payload[num_keys] = 0.0
+        if diagonal:
+            col, loss = _diagonal_loss(payload, layout, group)
+        else:
+            if symmetric:
+                col = _merge_column_statistics(payload, layout, group)
+                if b:
+                    col_pos = _positive_rows(col[offset: offset + m], labels, b)
+            loss = _share_and_sum(row, col_pos, pos, layout, group, query.device)
         ctx.save_for_backward(query, key, labels, row, col, s, key_all)
         ctx.scale_shape = scale.shape
         ctx.options = (symmetric, backend, tile_size, layout, group)
@@ -173,11 +210,14 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 lab_all = labels + offset if offset else labels
             else:
                 lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
+            # d(key_all) is only read by the reduce-scatter below (a new tensor; the current
+            # stream waits for it): a replay may hand over its own buffer instead of a copy
+            # (M c float32 bytes, 64 MB at 32k keys).
             dq, dk_all, dscale = run_graphed(
-                "gather_backward", _gather_backward_fn(backend, tile_size),
-                (query, key_all, s, row, col, w.expand(b), grad_col_all, lab_all,
-                 (w * (-2.0 if symmetric else -1.0)).expand(b)),
-                options=(tile_size,), logits=b * layout.num_keys, backend=backend)
+                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size),
+                (query, key_all, s, row, col, w, grad_col_all, lab_all),
+                options=(symmetric, tile_size), logits=b * layout.num_keys, backend=backend,
+                max_logits=GATHER_MAX_LOGITS, borrow=(1,))
         else:  # zeros keep this rank in the reduce-scatter
             dq = torch.zeros_like(query)
             dk_all = torch.zeros(key_all.shape, device=key.device, dtype=_F32)

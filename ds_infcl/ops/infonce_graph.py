@@ -15,12 +15,17 @@ How:
   torch.compile is not tracing, and, with ``DS_INFCL_CUDA_GRAPH=auto`` (the default), ``b m`` is
   at most ``DS_INFCL_CUDA_GRAPH_MAX_LOGITS`` (2^28: 16,384 x 16,384; the GPU's work of such a call is about
   2.7 ms on an H200, beyond which the host's ~1.5 ms hide behind it anyway).
+  The gather path's calls have their own limit, ``DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS`` (2^29:
+  16,384 queries against 32,768 gathered keys): their host work (the collectives, autograd, the
+  composition of the shares) is larger, and on 2 H200s at 16,384 rows per GPU the graphs took a
+  call from 5.0-5.1 to 4.6-4.9 ms (docs/distributed.md).
   ``DS_INFCL_CUDA_GRAPH=1`` graphs every size, ``0`` none.
 - The first call of a shape runs eagerly (it compiles the kernels); the second captures both
   passes, on static inputs, with the same kernels and tiles as the eager call, so the results are
   bitwise the eager ones; every later call replays.
-- Each replay copies its inputs into the static buffers and clones its outputs, so calls may
-  interleave freely (two forwards, then their two backwards). The backward skips the input copies
+- Each replay copies its inputs into the static buffers and clones its outputs (except those a
+  caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream),
+  so calls may interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
 - At most ``MAX_GRAPHS`` graphs are kept (4: the single-device loss takes one per shape, the gather
   path two), for the first shapes that repeat; later shapes run eagerly (capturing again and again
@@ -40,7 +45,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS",
-           "MAX_GRAPHS"]
+           "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
 def _check_mode(value: str) -> str:
@@ -62,6 +67,7 @@ def _positive_int(name: str, default: int) -> int:
 
 CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
 MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
+GATHER_MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
 MAX_GRAPHS = 4
 
 _SEEN: "collections.Counter" = collections.Counter()
@@ -76,14 +82,15 @@ def clear_graphs() -> None:
     _FAILED.clear()
 
 
-def _eligible(tensor: torch.Tensor, backend: str, logits: int) -> bool:
-    """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph."""
+def _eligible(tensor: torch.Tensor, backend: str, logits: int, max_logits: Optional[int] = None) -> bool:
+    """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph
+    (under ``auto``: ``logits <= max_logits``, default ``MAX_LOGITS``)."""
     mode = _check_mode(CUDA_GRAPH)
     if mode == "0" or backend != "triton" or not tensor.is_cuda or tensor.device.index != torch.cuda.current_device():
         return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return False
-    return mode == "1" or logits <= MAX_LOGITS
+    return mode == "1" or logits <= (MAX_LOGITS if max_logits is None else max_logits)
 
 
 def _warm_up(device: torch.device, run) -> None:
@@ -210,22 +217,26 @@ class GraphedCall:
             self.out = fn(*self.args)
         self.replays = 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, borrow=()):
         for dst, src in zip(self.args, args):
             if dst is not None:
                 dst.copy_(src)
         self.graph.replay()
         self.replays += 1
-        return tuple(None if o is None else o.clone() for o in self.out)
+        return tuple(o if (o is None or i in borrow) else o.clone() for i, o in enumerate(self.out))
 
 
-def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str):
+def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_logits: Optional[int] = None,
+                borrow=()):
     """``fn(*args)``, replayed from a CUDA graph where the shapes repeat (the rules of the module
-    doc, ``logits`` standing for ``b m``); ``tag`` and ``options`` (hashable) name the computation.
-    Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its local kernels,
-    between its collectives."""
-    if not _eligible(next(a for a in args if a is not None), backend, logits):
+    doc, ``logits`` standing for ``b m``, at most ``max_logits`` under ``auto``, default
+    ``MAX_LOGITS``); ``tag`` and ``options`` (hashable) name the computation. The outputs whose
+    indices are in ``borrow`` come back as the graph's own buffers, not copies: the caller must be
+    done with them (stream-ordered, on the current stream) before the next call of this
+    computation. Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its
+    local kernels, between its collectives."""
+    if not _eligible(next(a for a in args if a is not None), backend, logits, max_logits):
         return fn(*args)
     k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
     graphed = _lookup(k, lambda: GraphedCall(fn, args), f"{tag} {k[2:]}")
-    return fn(*args) if graphed is None else graphed(*args)
+    return fn(*args) if graphed is None else graphed(*args, borrow=borrow)

@@ -41,7 +41,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
-_NUM_FIELDS = 8  # b, m, c, dtype, device type, protocol, flags, settings
+_NUM_FIELDS = 9  # b, m, c, dtype, device type, protocol, flags, settings, explicit labels
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class RingLayout:
     feature_dim: int
     send_to: int  # global rank of group rank (rank + 1) mod world
     recv_from: int  # global rank of group rank (rank - 1) mod world
+    diagonal: bool = False  # every rank pairs query i with its key i (no explicit labels anywhere)
 
     @property
     def num_queries(self) -> int:
@@ -173,6 +174,7 @@ def exchange_layout(
     protocol: str = "ring_lse",
     flags: int = 0,
     settings: int = 0,
+    explicit_labels: bool = True,
 ) -> RingLayout:
     """Gather every rank's sizes and metadata, check that they agree, return the layout.
 
@@ -180,7 +182,8 @@ def exchange_layout(
     options all ranks must share (e.g. ``compute_col``); ``settings`` a fingerprint of process
     settings that steer the algorithm and must agree too (``ds_infcl.loss.ring``: its
     ``DS_INFCL_*`` environment variables; ranks that chose different algorithms would wait on each
-    other's collectives). Raises ``ValueError`` on every rank, with
+    other's collectives). ``explicit_labels`` may differ between ranks: the layout's ``diagonal``
+    says whether no rank passed labels. Raises ``ValueError`` on every rank, with
     a per-rank listing, when feature dims, dtypes, device types, protocols or flags differ or the
     global batch is empty.
     """
@@ -189,7 +192,7 @@ def exchange_layout(
     b, m, c = query.shape[0], key.shape[0], query.shape[1]
     mine = [
         b, m, c, _DTYPE_CODES.get(query.dtype, 99), _DEVICE_CODES.get(query.device.type, 99),
-        PROTOCOLS[protocol], int(flags), int(settings),
+        PROTOCOLS[protocol], int(flags), int(settings), int(bool(explicit_labels)),
     ]
     if world == 1:
         table = [mine]
@@ -209,4 +212,5 @@ def exchange_layout(
         feature_dim=c,
         send_to=global_rank(group, (rank + 1) % world) if world > 1 else -1,
         recv_from=global_rank(group, (rank - 1) % world) if world > 1 else -1,
+        diagonal=not any(row[8] for row in table),
     )

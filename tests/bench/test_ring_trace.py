@@ -30,3 +30,36 @@ def test_without_torchrun_says_how():
     out = subprocess.run([sys.executable, SCRIPT], env=dict(env, PYTHONPATH=REPO), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "run under torchrun" in out.stderr
+
+
+def test_idle_gaps_of_a_synthetic_trace():
+    """Union over streams, the call's window by launch time, the launch lag and the frames."""
+    from ds_infcl.bench.ring_trace import format_gaps, idle_gaps
+
+    def launch(corr, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "tid": 7,
+                "args": {"correlation": corr}}
+
+    def kernel(corr, name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream,
+                "args": {"correlation": corr}}
+
+    events = [
+        launch(1, 10), launch(2, 20), launch(3, 500), launch(4, 1500),
+        kernel(1, "k1", 50, 100, 1), kernel(2, "k2", 100, 200, 2), kernel(3, "k3", 600, 100, 1),
+        kernel(4, "k4", 1600, 100, 1),  # launched after the window: another call's
+        {"ph": "X", "cat": "python_function", "name": "ds_infcl/loss/api.py(10): contrastive_loss", "ts": 0,
+         "dur": 1000, "tid": 7},
+        {"ph": "X", "cat": "python_function", "name": "ds_infcl/loss/ring_fused.py(150): backward", "ts": 400,
+         "dur": 200, "tid": 7},
+        {"ph": "X", "cat": "python_function", "name": "torch/autograd/graph.py(800): run", "ts": 450,
+         "dur": 100, "tid": 7},
+        {"ph": "X", "cat": "python_function", "name": "ds_infcl/other.py(1): elsewhere", "ts": 450,
+         "dur": 100, "tid": 8},
+    ]
+    g = idle_gaps(events, (0, 1000))
+    assert (g["host_us"], g["span_us"], g["busy_us"], g["idle_us"], g["lead_us"]) == (1000, 650, 350, 300, 50)
+    assert g["gaps"] == [(300, "k2", "k3", 200, "loss/ring_fused.py(150): backward < loss/api.py(10): contrastive_loss")]
+    lines = format_gaps("[t]", 0, g)
+    assert "idle 0.30 ms" in lines[0] and "k2" in lines[1] and "+200.0 us into it" in lines[1]
+    assert idle_gaps(events, (2000, 3000))["gaps"] == []

@@ -22,6 +22,8 @@ def test_bad_settings_stop_the_import():
     assert "DS_INFCL_CUDA_GRAPH must be auto, 1 or 0, got 'yes'" in _import_error(DS_INFCL_CUDA_GRAPH="yes")
     assert ("DS_INFCL_CUDA_GRAPH_MAX_LOGITS must be a positive integer, got '8k'"
             in _import_error(DS_INFCL_CUDA_GRAPH_MAX_LOGITS="8k"))
+    assert ("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS must be a positive integer, got '0'"
+            in _import_error(DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS="0"))
 
 
 def test_cpu_calls_are_never_graphed(monkeypatch):

@@ -49,10 +49,20 @@ def _graph_names(fn):
 
 
 def _worker(rank, world, cases):
+    import torch.distributed as dist
+
     import ds_infcl.loss.ring as ring_mod
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
+    all_reduces = []
+    plain_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        all_reduces.append(1)
+        return plain_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
     out = []
     for seed, case in enumerate(cases):
         q_all, k_all, key_sizes = _data(case, seed)
@@ -65,12 +75,15 @@ def _worker(rank, world, cases):
             k = k_all[k0:k0 + key_sizes[rank]].clone().requires_grad_(True)
             s = torch.tensor(SCALE, requires_grad=True)
             labels = None if mode == "none" else torch.arange(q.shape[0])
+            all_reduces.clear()
             loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
                                     backend="torch", tile_size=4)
             names = _graph_names(loss.grad_fn)
+            forward_all_reduces = len(all_reduces)
             loss.backward()
             assert last_algorithm() == case["algorithm"]
-            res[mode] = dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), graph=names)
+            res[mode] = dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), graph=names,
+                             all_reduces=forward_all_reduces)
         os.environ.pop("DS_INFCL_ALGORITHM", None)
         out.append(res)
     return out
@@ -102,6 +115,11 @@ def test_diagonal_shortcut_matches_general_path_and_reference():
             assert torch.allclose(dk, kd.grad, rtol=0, atol=2e-5 * kd.grad.abs().max().item()), what
             ds_ref = sd.grad.item()
             assert abs(sum(o["ds"] for o in outs) / 2 - ds_ref) <= 1e-5 * max(1.0, abs(ds_ref)), what
+            # The gather path's symmetric loss on the diagonal sends its row terms with the column
+            # statistics: no all-reduce; labels on some rank need it.
+            if case["algorithm"] == "gather":
+                want = 0 if (case["symmetric"] and mode == "none") else 1
+                assert [o["all_reduces"] for o in outs] == [want, want], what
         for r in range(2):  # the shortcut and the general path: the same numbers
             a, b = results[r][seed]["none"], results[r][seed]["arange"]
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (case, r)
