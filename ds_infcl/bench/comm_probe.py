@@ -25,30 +25,26 @@ import time
 import torch
 import torch.distributed as dist
 
+from ds_infcl.bench.loss import _time
 from ds_infcl.ring.layout import all_gather_single, reduce_scatter_single
 
 
 def _median(fn, reps, cuda):
+    """Median ms of ``fn`` after a warm-up, the ranks starting together (CUDA events on CUDA)."""
     for _ in range(3):
         fn()
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    if cuda:
+        times = _time(fn, reps, 0)
+    else:
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:

@@ -11,8 +11,9 @@ Every point: symmetric loss (CLIP), per-GPU batch ``b`` queries and ``b`` keys o
 forward and backward (``check_finite=False``). Reported per point, over the ranks:
 
 - ``ms``: median time of a step (CUDA events), the slowest rank;
-- ``extra_gib``: peak CUDA memory of one step beyond the inputs and their preallocated gradients,
-  the largest rank;
+- ``extra_gib``: peak CUDA memory beyond the inputs and their preallocated gradients, from after
+  the first step over the rest of the warm-up and one timed step (so the buffers of CUDA graphs
+  captured in the warm-up count), the largest rank;
 - ``tflops``: ``8 * b * B * c`` FLOPs per GPU (the work of its share: one forward tile GEMM and
   three backward GEMMs over its ``b`` queries against all ``B`` keys) per second;
 - ``weak_eff`` (``infcl``): the single-GPU time of the same loss on the global batch ``W * b``
@@ -152,12 +153,15 @@ def run_point(impl, b, c, dtype, group, args):
             step()
             n_warm += 1
             _sync()
+            if n_warm == 1 and _DEVICE == "cuda":
+                # Memory from after the first step (it compiles), over the rest of the warm-up and
+                # one timed step: CUDA graphs captured on a later step hold their buffers from then
+                # on, so they count, as in bench.loss.
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             more = n_warm < args.warmup or time.perf_counter() - t_warm < args.warmup_seconds
             if not _all_reduce(float(more), dist.ReduceOp.MAX, group):
                 break
-        if _DEVICE == "cuda":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
         first = timed()
         if _DEVICE == "cuda":
             extra = (torch.cuda.max_memory_allocated() - base) / 2**30

@@ -120,3 +120,31 @@ def test_large_shapes_and_captures_stay_eager(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     ig.clear_graphs()
+
+
+def test_run_graphed_limits_and_borrowed_outputs(monkeypatch):
+    """``run_graphed``: ``max_logits`` replaces MAX_LOGITS under ``auto``; borrowed outputs are the
+    graph's own buffers (the same storage on every replay, refilled), the others fresh copies."""
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
+    x = torch.randn(64, 8, device="cuda")
+
+    def fn(a):
+        return a * 2.0, a + 1.0
+
+    for _ in range(3):
+        ig.run_graphed("probe", fn, (x,), options=(), logits=ig.MAX_LOGITS + 1, backend="triton")
+    assert not ig._GRAPHS  # above MAX_LOGITS: eager
+    outs = []
+    for i in range(4):
+        y = x + i
+        outs.append(ig.run_graphed("probe", fn, (y,), options=(), logits=ig.MAX_LOGITS + 1, backend="triton",
+                                   max_logits=ig.MAX_LOGITS + 1, borrow=(1,)))
+        torch.testing.assert_close(outs[-1][0], y * 2.0, rtol=0, atol=0)
+        torch.testing.assert_close(outs[-1][1], y + 1.0, rtol=0, atol=0)
+    assert len(ig._GRAPHS) == 1
+    # calls 3 and 4 replayed: the borrowed output is the graph's buffer, the other a new tensor
+    assert outs[2][1].data_ptr() == outs[3][1].data_ptr()
+    assert outs[2][0].data_ptr() != outs[3][0].data_ptr()
+    torch.testing.assert_close(outs[2][0], (x + 2) * 2.0, rtol=0, atol=0)  # not overwritten by call 4
+    ig.clear_graphs()
