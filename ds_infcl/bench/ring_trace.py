@@ -53,7 +53,8 @@ def _frames_at(frames, ts, limit=3):
 
 def idle_gaps(events, window, top=8):
     """Where the GPU idled during one call: ``events`` are a Chrome trace's ``traceEvents`` (as
-    ``torch.profiler`` exports them, ``with_stack=True`` for the frames), ``window`` the call's
+    ``torch.profiler`` exports them; the launching frames are Python's with ``with_stack=True``,
+    else the operators), ``window`` the call's
     host interval ``(ts0, ts1)`` in the trace's microseconds. The GPU activities (kernels, copies,
     memsets) of the call are those launched inside the window. Returns a dict: ``host_us`` (the
     window), ``span_us`` (first GPU start to last GPU end), ``busy_us`` (their union over
