@@ -57,32 +57,39 @@ _KERNEL_OPS = {
 
 
 @contextlib.contextmanager
+def _patched(replacements):
+    """Set ``owner.name = value`` for each ``(owner, name, value)`` (a module's function, a class's
+    attribute); put the originals back on exit."""
+    saved = [(owner, name, vars(owner)[name]) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
 def _label_kernel_ops():
     """Wrap the backends' block functions in profiler ranges named ``kernel_op::<name>``."""
     import importlib
 
     from torch.profiler import record_function
 
-    saved = []
+    def labelled(fn, name):
+        def wrapped(*a, **kw):
+            with record_function("kernel_op::" + name):
+                return fn(*a, **kw)
+        return wrapped
+
+    replacements = []
     for mod_name, names in _KERNEL_OPS.items():
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:  # no Triton here
             continue
-        for name in names:
-            fn = getattr(mod, name)
-
-            def wrapped(*a, _fn=fn, _name=name, **kw):
-                with record_function("kernel_op::" + _name):
-                    return _fn(*a, **kw)
-
-            saved.append((mod, name, fn))
-            setattr(mod, name, wrapped)
-    try:
-        yield
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        replacements += [(mod, name, labelled(getattr(mod, name), name)) for name in names]
+    return _patched(replacements)
 
 
 # Steps of a distributed call timed by --phases: module -> functions looked up there at call time.
@@ -93,7 +100,6 @@ _PHASES = {
 }
 
 
-@contextlib.contextmanager
 def _timed_phases(spent, calls):
     """Add each step's host seconds to ``spent[name]`` and its calls to ``calls[name]``."""
     import importlib
@@ -110,22 +116,15 @@ def _timed_phases(spent, calls):
                 calls[name] += 1
         return wrapped
 
-    saved = []
+    replacements = []
     for mod_name, names in _PHASES.items():
         mod = importlib.import_module(mod_name)
-        for name in names:
-            saved.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, timed(getattr(mod, name), name))
+        replacements += [(mod, name, timed(getattr(mod, name), name)) for name in names]
     for cls in (GatherInfoNCEFunction, RingInfoNCEFunction):
         for name in ("forward", "backward"):
-            fn = cls.__dict__[name]
-            saved.append((cls, name, fn))
-            setattr(cls, name, staticmethod(timed(fn.__func__, f"{cls.__name__}.{name}")))
-    try:
-        yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+            fn = vars(cls)[name].__func__
+            replacements.append((cls, name, staticmethod(timed(fn, f"{cls.__name__}.{name}"))))
+    return _patched(replacements)
 
 
 def _phases(q, k, s, args, rank, world, label) -> None:
