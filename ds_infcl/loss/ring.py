@@ -53,6 +53,7 @@ from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
     exchange_layout,
+    group_size,
     post_ring_shift,
     resolve_group,
     wait_all,
@@ -346,21 +347,23 @@ def ring_infonce(
     ``None``: the diagonal). By the ring, or by one all-gather where the features are small
     (``choose_algorithm``)."""
     # The fused Functions build on this module's ring steps (hence imported here, not on top).
-    from ds_infcl.loss.ring_fused import GatherInfoNCEFunction, RingInfoNCEFunction
+    from ds_infcl.loss.ring_fused import GatherInfoNCEFunction, RingInfoNCEFunction, own_block_early
 
     group = resolve_group(group)
     backend = _resolve_backend(backend, query.device, group)
+    if labels is not None:
+        labels = labels.to(device=query.device, dtype=torch.long)
+    query, key = query.contiguous(), key.contiguous()
+    own = own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group))
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
         explicit_labels=labels is not None,
     )
-    if labels is not None:
-        labels = labels.to(device=query.device, dtype=torch.long)
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
         return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
-                                           layout, group)
+                                           layout, group, own)
     return RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
                                      group)

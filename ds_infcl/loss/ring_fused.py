@@ -40,6 +40,7 @@ second derivative raises (``refuse_double_backward``) instead of silently missin
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -52,9 +53,12 @@ from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, run_graphed
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
 
-__all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction"]
+__all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction", "own_block_early"]
 
 _F32 = torch.float32
+# Smallest own block (b m logits) computed before the layout exchange (own_block_early); below it
+# the block's GPU time cannot cover the exchange and the extra launch only costs host time.
+EARLY_MIN_LOGITS = int(os.environ.get("DS_INFCL_GATHER_EARLY_MIN_LOGITS", str(1 << 27)))
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:
@@ -131,15 +135,82 @@ def _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
     return forward
 
 
-def _gather_backward_fn(symmetric, backend, tile_size):
-    """The gather path's local backward: ``(dq, d key_all, dscale)``, float32, for the upstream
-    weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for each positive logit."""
+def _own_block_fn(symmetric, backend, tile_size):
+    """This rank's queries against its own keys, the block that needs no other rank's data:
+    ``(row [b], partial column statistics [m] or None, positive logits [b])`` (what a graph
+    captures; see ``GatherInfoNCEFunction``'s ``own``)."""
+
+    def own(query, key, s, labels):
+        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
+        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        return row, col, pos
+
+    return own
+
+
+def _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
+    """The gather path's local forward when the own block ran early (``_own_block_fn``): the
+    queries against the other ranks' keys (rows ``[0, offset)`` and ``[offset + m, M)`` of
+    ``key_all``), merged with the own block's statistics into the outputs of ``_gather_forward_fn``."""
+
+    def forward(query, key_all, s, row_own, col_own, pos):
+        row, cols = row_own, []
+        for lo, hi in ((0, offset), (offset + m, key_all.shape[0])):
+            if lo == hi:
+                continue
+            row_t, col_t = lse_forward(query, key_all[lo:hi], s, compute_col=symmetric, backend=backend,
+                                       tile_size=tile_size)
+            row = torch.logaddexp(row, row_t)
+            cols.append(col_t)
+        if symmetric:
+            cols.insert(1 if offset else 0, col_own)
+            col_part = torch.cat(cols)
+            if diagonal:
+                return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
+            return row, col_part, pos
+        return row, None, pos
+
+    return forward
+
+
+def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, world):
+    """The own block's kernels, launched before the layout exchange so that the GPU computes while
+    the host waits for the other ranks' sizes (issue 17: at 16k rows per GPU the GPU sat idle for
+    that wait, ~0.35 ms of a 4.6 ms call on 2 x H200). ``None`` where it would not pay or not be
+    used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
+    gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, ``DS_INFCL_ALGORITHM=ring``); if the
+    layout then picks the ring anyway, the result is dropped. Only local work: ranks may decide
+    differently, their collectives are the same."""
+    from ds_infcl.loss.ring import GATHER_MAX_LOCAL
+
+    b, m = query.shape[0], key.shape[0]
+    if world < 2 or not b or not m or b * m < EARLY_MIN_LOGITS:
+        return None
+    if os.environ.get("DS_INFCL_ALGORITHM", "auto") == "ring" or (world <= 2 and max(b, m) > GATHER_MAX_LOCAL):
+        return None
+    with torch.no_grad():
+        return run_graphed(
+            "gather_own", _own_block_fn(symmetric, backend, tile_size),
+            (query.detach(), key.detach(), scale_t.detach(), labels), options=(symmetric, tile_size),
+            logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2))
+
+
+def _gather_backward_fn(symmetric, backend, tile_size, offset):
+    """The gather path's local backward: ``(dq in the queries' dtype, d key_all float32, dscale
+    float32)`` for the upstream weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for
+    each positive logit. Query i's positive is key ``offset + l_i`` of ``key_all`` (``offset + i``
+    for ``labels=None``)."""
 
     def backward(query, key_all, s, row, col, w, grad_col, labels):
         b = query.shape[0]
-        return lse_backward(query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
-                            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
-                            tile_size=tile_size)
+        if labels is not None:
+            labels = labels + offset if offset else labels
+        elif offset:
+            labels = torch.arange(offset, offset + b, device=query.device)
+        dq, dk_all, dscale = lse_backward(
+            query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
+            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend, tile_size=tile_size)
+        return dq.to(query.dtype), dk_all, dscale
 
     return backward
 
@@ -160,7 +231,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     features (``choose_algorithm`` caps it)."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group):
+    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None):
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
@@ -168,9 +239,15 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         m, offset, num_keys = key.shape[0], layout.key_offset(), layout.num_keys
         diagonal = symmetric and layout.diagonal  # (the same on every rank: from the layout)
         row = col = pos = col_pos = payload = None
-        if b:  # the local kernels, replayed from a CUDA graph where small shapes repeat
-            # payload and pos are read right away (the all-gather, the share): a replay may hand
-            # over its own buffers; row is kept for the backward, a copy.
+        # The local kernels, replayed from CUDA graphs where small shapes repeat. payload and pos
+        # are read right away (the all-gather, the share): a replay may hand over its own
+        # buffers; row is kept for the backward, a copy.
+        if b and own is not None:  # the own block ran before the layout exchange (own_block_early)
+            row, payload, pos = run_graphed(
+                "gather_rest", _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m),
+                (query, key_all, s) + tuple(own), options=(symmetric, diagonal, tile_size, offset, m),
+                logits=b * (num_keys - m), backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2))
+        elif b:
             row, payload, pos = run_graphed(
                 "gather_forward", _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m),
                 (query, key_all, s, labels), options=(symmetric, diagonal, tile_size, offset, m),
@@ -204,19 +281,14 @@ class GatherInfoNCEFunction(torch.autograd.Function):
             grad_col_all = all_gather_rows(column_weights(w, labels, b, key.shape[0]),
                                            layout.key_sizes, group)
         if b:
-            # Query i's positive is key key_offset + l_i of key_all.
-            offset = layout.key_offset()
-            if labels is not None:
-                lab_all = labels + offset if offset else labels
-            else:
-                lab_all = torch.arange(offset, offset + b, device=query.device) if offset else None
             # d(key_all) is only read by the reduce-scatter below (a new tensor; the current
             # stream waits for it): a replay may hand over its own buffer instead of a copy
             # (M c float32 bytes, 64 MB at 32k keys).
+            offset = layout.key_offset()
             dq, dk_all, dscale = run_graphed(
-                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size),
-                (query, key_all, s, row, col, w, grad_col_all, lab_all),
-                options=(symmetric, tile_size), logits=b * layout.num_keys, backend=backend,
+                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size, offset),
+                (query, key_all, s, row, col, w, grad_col_all, labels),
+                options=(symmetric, tile_size, offset), logits=b * layout.num_keys, backend=backend,
                 max_logits=GATHER_MAX_LOGITS, borrow=(1,))
         else:  # zeros keep this rank in the reduce-scatter
             dq = torch.zeros_like(query)
@@ -225,7 +297,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
         del dk_all
         dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None
+        return dq, dk.to(key.dtype), dscale, None, None, None, None, None, None, None
 
 
 class RingInfoNCEFunction(torch.autograd.Function):

@@ -2,7 +2,8 @@
 distributed InfoNCE (``ds_infcl.loss.ring_fused``) on NCCL with the Triton backend, by both
 algorithms, ``labels=None`` (the diagonal shortcut, no positive-key gather) against explicit
 ``labels = arange(b)`` and the float64 reference of the global batch; unequal per-rank sizes,
-one key per query and two (the shortcut's slice). Then the gather path with its local kernels
+one key per query and two (the shortcut's slice); the gather path also with its own block computed
+before the layout exchange (``own_block_early``). Then the gather path with its local kernels
 replayed from CUDA graphs (``ds_infcl.ops.infonce_graph.run_graphed``: the second call of a shape
 captures, the third replays) against the same calls run eagerly. Exit status 1 on any failure."""
 
@@ -26,7 +27,11 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     q = torch.nn.functional.normalize(torch.randn(sum(sizes), 256, generator=g), dim=1).to(device, dtype)
     k = torch.nn.functional.normalize(torch.randn(sum(key_sizes), 256, generator=g), dim=1).to(device, dtype)
     qs, ks = sum(sizes[:rank]), sum(key_sizes[:rank])
-    os.environ["DS_INFCL_ALGORITHM"] = algorithm
+    import ds_infcl.loss.ring_fused as fused
+
+    # "gather-early": the gather path with its own block computed before the layout exchange.
+    early_min, fused.EARLY_MIN_LOGITS = fused.EARLY_MIN_LOGITS, (1 if algorithm == "gather-early" else 1 << 62)
+    os.environ["DS_INFCL_ALGORITHM"] = algorithm.replace("-early", "")
     out = {}
     for mode in ("none", "arange"):
         ql = q[qs:qs + sizes[rank]].clone().requires_grad_(True)
@@ -39,6 +44,7 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
         dist.all_reduce(ds)
         out[mode] = (loss.detach(), ql.grad / world, kl.grad / world, ds / world)
     os.environ.pop("DS_INFCL_ALGORITHM")
+    fused.EARLY_MIN_LOGITS = early_min
     glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(sizes)]).to(device)
     qr, kr = q.double().requires_grad_(True), k.double().requires_grad_(True)
     sr = torch.tensor(14.3, dtype=torch.float64, device=device, requires_grad=True)
@@ -55,13 +61,17 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     return max(loss_errs), max(errs), same
 
 
-def graph_check(rank, world, device):
+def graph_check(rank, world, device, early):
     """(largest relative difference graphed vs eager, bitwise equal, graphs kept, replays) of three
     calls per label mode of the gather path, with new inputs each call."""
+    import ds_infcl.loss.ring_fused as fused
     from ds_infcl.ops import infonce_graph as ig
 
     b = 700 + 1111 * rank
     os.environ["DS_INFCL_ALGORITHM"] = "gather"
+    # early: the own block computed before the layout exchange (``own_block_early``), at any size.
+    fused.EARLY_MIN_LOGITS, early_min = (1 if early else 1 << 62), fused.EARLY_MIN_LOGITS
+    ig.MAX_GRAPHS, max_graphs = 8, ig.MAX_GRAPHS  # both label modes' graphs stay (6 with early)
 
     def call(seed, explicit):
         g = torch.Generator().manual_seed(1000 * seed + rank)
@@ -83,6 +93,7 @@ def graph_check(rank, world, device):
     kept, replays = len(ig._GRAPHS), sorted(gr.replays for gr in ig._GRAPHS.values())
     ig.clear_graphs()
     ig.CUDA_GRAPH = "auto"
+    fused.EARLY_MIN_LOGITS, ig.MAX_GRAPHS = early_min, max_graphs
     os.environ.pop("DS_INFCL_ALGORITHM")
 
     def rel(a, b):
@@ -100,7 +111,7 @@ def main():
     failed, seed = 0, 0
     for dtype in (torch.bfloat16, torch.float32):
         for symmetric, kpq in ((True, 1), (True, 2), (False, 2)):
-            for algorithm in ("gather", "ring"):
+            for algorithm in ("gather", "gather-early", "ring"):
                 seed += 1
                 errs = run(rank, world, device, dtype, symmetric, kpq, algorithm, seed)
                 errs = torch.tensor(errs, device=device)
@@ -113,19 +124,21 @@ def main():
                     print(f"{'ok  ' if ok else 'FAIL'} W={world} {dtype} {'sym' if symmetric else 'one'} "
                           f"keys/query={kpq} {algorithm}: rel err loss {errs[0]:.2e} grads {errs[1]:.2e}, "
                           f"labels None vs arange {errs[2]:.2e}", flush=True)
-    diff, bitwise, kept, replays = graph_check(rank, world, device)
-    # Forward: one graph per label mode. Backward: one per mode on rank 0; one for both elsewhere
-    # (the positives' global indices are a tensor either way there). Each replayed at least twice.
-    stats = torch.tensor([diff, float(not bitwise), float(kept < 3 or min(replays) < 2)], device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    # The same kernels on the same inputs: equal up to a product that cuBLAS schedules differently
-    # under capture (an ulp of a bf16 gradient here and there).
-    ok = stats[0] <= 2e-3 and stats[2] == 0
-    failed += not bool(ok)
-    if rank == 0:
-        print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path replayed from CUDA graphs: graphs kept {kept}, "
-              f"replays {replays}, largest rel diff to eager {stats[0]:.2e}, bitwise on every rank: "
-              f"{not bool(stats[1])}", flush=True)
+    for early in (False, True):
+        diff, bitwise, kept, replays = graph_check(rank, world, device, early)
+        # Per label mode: the forward (with early: the own block and the rest) and the backward,
+        # each replayed at least twice.
+        want = 6 if early else 4
+        stats = torch.tensor([diff, float(not bitwise), float(kept != want or min(replays) < 2)], device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        # The same kernels on the same inputs: equal up to a product that cuBLAS schedules differently
+        # under capture (an ulp of a bf16 gradient here and there).
+        ok = stats[0] <= 2e-3 and stats[2] == 0
+        failed += not bool(ok)
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''} "
+                  f"replayed from CUDA graphs: graphs kept {kept} (want {want}), replays {replays}, largest "
+                  f"rel diff to eager {stats[0]:.2e}, bitwise on every rank: {not bool(stats[1])}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -1,7 +1,9 @@
 """The fused distributed InfoNCE (``ds_infcl.loss.ring_fused``): the diagonal shortcut taken when
 the caller passes ``labels=None`` gives the same loss and gradients as the general path with
 ``labels = arange(b)``, and both equal the fp64 reference, on 2 gloo ranks with unequal sizes
-(one rank without queries too), by both algorithms (the ring with its exchange overlapped and not); and one call builds the small autograd graph
+(one rank without queries too), by both algorithms (the ring with its exchange overlapped and not;
+the gather path with its own block computed before the layout exchange and not); and one call
+builds the small autograd graph
 the shortcut is for (no ``key[labels]`` index node, one Function, the collectives' nodes)."""
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ LAYOUTS = [([3, 7], 1), ([0, 5], 1), ([4, 2], 2)]
 
 
 def _cases():
-    # The ring with each hop's exchange overlapped with the block's kernels ("1") and after them ("0").
-    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, overlap=ov)
-            for sizes, hard in LAYOUTS for sym in (True, False)
-            for alg, ov in (("gather", "auto"), ("ring", "1"), ("ring", "0"))]
+    # The ring with each hop's exchange overlapped with the block's kernels ("1") and after them
+    # ("0"); the gather path with its own block computed before the layout exchange (early) and
+    # not; and the early block computed, then dropped because the layout picks the ring (auto with
+    # a gather-bytes cap of 0).
+    variants = (("gather", "gather", "auto", False), ("gather", "gather", "auto", True),
+                ("ring", "ring", "1", False), ("ring", "ring", "0", False), ("ring", "auto", "auto", True))
+    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, pin=pin, overlap=ov, early=early)
+            for sizes, hard in LAYOUTS for sym in (True, False) for alg, pin, ov, early in variants]
 
 
 def _data(case, seed):
@@ -52,8 +58,20 @@ def _worker(rank, world, cases):
     import torch.distributed as dist
 
     import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.ring_fused as fused_mod
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
+
+    early_blocks = []
+    plain_early = fused_mod.own_block_early
+
+    def recording_early(*args, **kwargs):
+        own = plain_early(*args, **kwargs)
+        early_blocks.append(own is not None)
+        return own
+
+    fused_mod.own_block_early = recording_early
+    max_bytes = ring_mod.GATHER_MAX_BYTES
 
     all_reduces = []
     plain_all_reduce = dist.all_reduce
@@ -69,8 +87,11 @@ def _worker(rank, world, cases):
         q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
         res = {}
         ring_mod.RING_OVERLAP = case["overlap"]
+        fused_mod.EARLY_MIN_LOGITS = 1 if case["early"] else 1 << 62
+        ring_mod.GATHER_MAX_BYTES = 0 if case["pin"] == "auto" else max_bytes
         for mode in ("none", "arange"):
-            os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
+            os.environ["DS_INFCL_ALGORITHM"] = case["pin"]
+            early_blocks.clear()
             q = q_all[q0:q0 + case["sizes"][rank]].clone().requires_grad_(True)
             k = k_all[k0:k0 + key_sizes[rank]].clone().requires_grad_(True)
             s = torch.tensor(SCALE, requires_grad=True)
@@ -83,7 +104,7 @@ def _worker(rank, world, cases):
             loss.backward()
             assert last_algorithm() == case["algorithm"]
             res[mode] = dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), graph=names,
-                             all_reduces=forward_all_reduces)
+                             all_reduces=forward_all_reduces, early=early_blocks == [True])
         os.environ.pop("DS_INFCL_ALGORITHM", None)
         out.append(res)
     return out
@@ -104,6 +125,7 @@ def test_diagonal_shortcut_matches_general_path_and_reference():
             outs = [res[seed][mode] for res in results]
             for r, o in enumerate(outs):
                 assert abs(o["loss"] - ref.item()) <= 2e-6 * max(1.0, abs(ref.item())), (what, r)
+                assert o["early"] == (case["early"] and case["sizes"][r] > 0), (what, r)
                 # One Function: no index node for the positive keys (gathered inside, or not at all
                 # on the diagonal) and no zero-weighted pairing terms' products and sums.
                 assert "IndexBackward0" not in o["graph"], (what, r, o["graph"])
