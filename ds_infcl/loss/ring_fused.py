@@ -30,7 +30,9 @@ positive logit.
   The backward all-gathers the column weights ``b_j`` from the keys' owners and runs one
   backward over ``(Q_r, K_all)`` with the global statistics. The positive of query i is key
   ``key_offset + l_i`` of ``K_all``. (The first version gathered the queries too and computed
-  the two directions as two separate passes: twice the logits of the ring, issue 17.)
+  the two directions as two separate passes: twice the logits of the ring, issue 17.) From
+  ``EARLY_MIN_LOGITS`` up, the own block ``lse(Q_r, K_r)`` runs before the layout exchange
+  (``own_block_early``) and the forward then covers the other ranks' keys and merges the two.
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
 
@@ -56,9 +58,12 @@ from ds_infcl.ring.layout import all_gather_single
 __all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction", "own_block_early"]
 
 _F32 = torch.float32
-# Smallest own block (b m logits) computed before the layout exchange (own_block_early); below it
-# the block's GPU time cannot cover the exchange and the extra launch only costs host time.
-EARLY_MIN_LOGITS = int(os.environ.get("DS_INFCL_GATHER_EARLY_MIN_LOGITS", str(1 << 27)))
+# Smallest own block (b m logits) computed before the layout exchange (own_block_early). Measured
+# on 2 x H100 (c = 512, bf16, symmetric, 2026-11-26; docs/distributed.md), each point 288 calls
+# alternating with it off in one process: 0.03-0.13 ms faster at 16,384 rows per rank (three runs),
+# 0.19 / 0.11 / 0.19 ms slower at 12,288 / 8,192 / 4,096, where the block's GPU time covers less of
+# the exchange than the extra graph launch costs the host.
+EARLY_MIN_LOGITS = int(os.environ.get("DS_INFCL_GATHER_EARLY_MIN_LOGITS", str(1 << 28)))
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:
@@ -176,7 +181,7 @@ def _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
 def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, world):
     """The own block's kernels, launched before the layout exchange so that the GPU computes while
     the host waits for the other ranks' sizes (issue 17: at 16k rows per GPU the GPU sat idle for
-    that wait, ~0.35 ms of a 4.6 ms call on 2 x H200). ``None`` where it would not pay or not be
+    that wait, 0.3-0.5 ms of a 4.6-5.1 ms call). ``None`` where it would not pay or not be
     used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
     gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, ``DS_INFCL_ALGORITHM=ring``); if the
     layout then picks the ring anyway, the result is dropped. Only local work: ranks may decide
