@@ -95,8 +95,8 @@ def _label_kernel_ops():
 # Steps of a distributed call timed by --phases: module -> functions looked up there at call time.
 _PHASES = {
     "ds_infcl.loss.ring": ("exchange_layout",),
-    "ds_infcl.loss.ring_fused": ("all_gather_rows", "reduce_scatter_rows", "run_graphed", "_diagonal_loss",
-                                 "_merge_column_statistics", "_share_and_sum", "_weight", "column_weights"),
+    "ds_infcl.loss.ring_fused": ("all_gather_rows", "reduce_scatter_rows", "run_graphed", "_merge_statistics",
+                                 "_gather_payloads", "_share_and_sum", "_weight", "column_weights"),
 }
 
 

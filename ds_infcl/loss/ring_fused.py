@@ -17,7 +17,7 @@ symmetric (else 1). Its share of the loss and the global value are::
 
 ``row_i`` over all keys of all ranks, ``col'_i`` the column LSE of query i's positive key over all
 queries, ``pos_i = s q_i . k_{l_i}``. The forward all-reduces the share (every rank returns ``L``;
-the gather path's symmetric loss with diagonal labels needs no all-reduce, see ``_diagonal_loss``);
+the gather path's symmetric loss with diagonal labels needs no all-reduce, see ``_merge_fn``);
 the backward, with upstream ``g``, uses the weight ``w = g W f / B`` (the ``W`` of the data-parallel
 contract, see ``ds_infcl.ring.collectives``) for every LSE term and ``-w`` per direction for each
 positive logit.
@@ -93,39 +93,79 @@ def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Te
     return (grad if grad.dtype == _F32 else grad.float()) * factor
 
 
-def _merge_column_statistics(payload: torch.Tensor, layout: RingLayout, group, extra: bool = False):
-    """The global column LSE ``[M]`` on every rank from each rank's partial one over its own
-    queries: one all-gather of ``W x M`` floats and a log-sum-exp over the ranks. With ``extra``,
-    each rank's payload ends with one more float that rides along; returns ``(col, that float of
-    every rank [W])`` then."""
-    m = layout.num_keys
+def _lse_over_ranks(parts: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp over dim 0 of ``[W, n]``: one kernel for ``W <= 2`` (``torch.logsumexp`` is
+    several: its maximum, the shift, the exponentials, the sum, the logarithm)."""
+    if parts.shape[0] == 1:
+        return parts[0]
+    if parts.shape[0] == 2:
+        return torch.logaddexp(parts[0], parts[1])
+    return torch.logsumexp(parts, dim=0)
+
+
+def _gather_payloads(payload: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
+    """Every rank's payload as the rows of ``[W, len(payload)]`` (one all-gather)."""
     if layout.world == 1:
-        return (payload[:m], payload[m:]) if extra else payload
-    parts = payload.new_empty((layout.world * payload.shape[0],)).view(layout.world, -1)
+        return payload.view(1, -1)
+    parts = payload.new_empty((layout.world, payload.shape[0]))
     all_gather_single(parts.view(-1), payload.contiguous(), group=group)
-    col = torch.logsumexp(parts[:, :m], dim=0)
-    return (col, parts[:, m]) if extra else col
+    return parts
 
 
-def _diagonal_loss(payload: torch.Tensor, layout: RingLayout, group):
-    """``(col, L)`` of the symmetric loss when no rank passed labels, without an all-reduce: each
-    rank's row term ``sum_i (row_i - 2 pos_i)`` ends its payload of column statistics (one
-    all-gather), and the column term ``sum_i col_{offset_r + i}`` over every rank's queries is
-    known to all once ``col`` is (query ``i`` of rank ``r`` is paired with key ``offset_r + i``)."""
-    col, terms = _merge_column_statistics(payload, layout, group, extra=True)
-    if layout.query_sizes == layout.key_sizes:  # every key is some query's positive (CLIP)
-        cols = col.sum()
-    else:
-        cols = torch.cat([col[layout.key_offset(r): layout.key_offset(r) + b]
-                          for r, b in enumerate(layout.query_sizes)]).sum()
-    return col, (terms.sum() + cols) * (0.5 / layout.num_queries)
+def _merge_fn(m: int, diagonal_spans, factor: Optional[float]):
+    """The statistics' merge as a function of the gathered payloads ``parts [W, ...]`` (what a
+    graph captures): the global column LSE ``[M]`` from each rank's partial one over its own
+    queries (the first ``m`` floats of each row). With ``factor`` (the symmetric loss when no rank
+    passed labels, without an all-reduce) also the loss: each row ends with its rank's row term
+    ``sum_i (row_i - 2 pos_i)``, and the column term ``sum_i col_{offset_r + i}`` over every rank's
+    queries is known to all once ``col`` is (query ``i`` of rank ``r`` is paired with key
+    ``offset_r + i``; ``diagonal_spans``: those keys' ranges, ``None`` when they are all keys)."""
+
+    def merge(parts):
+        col = _lse_over_ranks(parts[:, :m])
+        if factor is None:
+            return col, None
+        if diagonal_spans is None:  # every key is some query's positive (CLIP)
+            cols = col.sum()
+        else:
+            cols = torch.cat([col[lo:hi] for lo, hi in diagonal_spans]).sum()
+        return col, (parts[:, m].sum() + cols) * factor
+
+    return merge
+
+
+def _merge_statistics(payload, layout: RingLayout, group, diagonal: bool, backend: str, logits: int):
+    """``(col, loss or None)`` on every rank from the payloads of all ranks (``_merge_fn``); the
+    arithmetic after the all-gather replays from a CUDA graph where the shapes repeat."""
+    m = layout.num_keys
+    spans = None
+    if diagonal and layout.query_sizes != layout.key_sizes:
+        spans = tuple((layout.key_offset(r), layout.key_offset(r) + b) for r, b in enumerate(layout.query_sizes))
+    factor = 0.5 / layout.num_queries if diagonal else None
+    parts = _gather_payloads(payload, layout, group)
+    return run_graphed("gather_merge", _merge_fn(m, spans, factor), (parts,), options=(m, spans, factor),
+                       logits=logits, backend=backend, max_logits=GATHER_MAX_LOGITS)
+
+
+def _diagonal_column_weights(w_all: torch.Tensor, query_sizes, key_sizes) -> torch.Tensor:
+    """``[M]`` upstream weights of the keys' column LSE when no rank passed labels: ``w`` of rank
+    ``r`` (``w_all[r]``) for each of its first ``b_r`` keys, 0 for its keys beyond its queries
+    (``column_weights`` of every rank, concatenated)."""
+    if query_sizes == key_sizes and len(set(key_sizes)) == 1:
+        return w_all.view(-1, 1).expand(-1, key_sizes[0]).reshape(-1)
+    pieces = []
+    for r, (b, m) in enumerate(zip(query_sizes, key_sizes)):
+        pieces.append(w_all[r].expand(b))
+        if m > b:
+            pieces.append(w_all.new_zeros((m - b,)))
+    return torch.cat(pieces)
 
 
 def _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
     """The gather path's local forward kernels as a function of tensors (what a graph captures):
     ``(row [b], payload, positive logits [b] or None)``. The payload goes to the all-gather of the
     column statistics: the partial column statistics ``[M]`` (symmetric), followed by this rank's
-    row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``_diagonal_loss``; ``pos`` is
+    row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``_merge_fn``; ``pos`` is
     then not returned). This rank's keys are rows ``[offset, offset + m)`` of ``key_all``."""
 
     def forward(query, key_all, s, labels):
@@ -200,14 +240,18 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
             logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2))
 
 
-def _gather_backward_fn(symmetric, backend, tile_size, offset):
+def _gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=None):
     """The gather path's local backward: ``(dq in the queries' dtype, d key_all float32, dscale
     float32)`` for the upstream weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for
     each positive logit. Query i's positive is key ``offset + l_i`` of ``key_all`` (``offset + i``
-    for ``labels=None``)."""
+    for ``labels=None``). ``grad_col`` is the keys' column weights ``[M]``, or, with
+    ``diagonal_sizes = (query sizes, key sizes)`` (no rank passed labels), every rank's ``w``
+    ``[W]``, from which they are formed here (``_diagonal_column_weights``)."""
 
     def backward(query, key_all, s, row, col, w, grad_col, labels):
         b = query.shape[0]
+        if diagonal_sizes is not None:
+            grad_col = _diagonal_column_weights(grad_col, *diagonal_sizes)
         if labels is not None:
             labels = labels + offset if offset else labels
         elif offset:
@@ -227,7 +271,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
 
     - forward: the all-gather of the keys, then (symmetric) the all-gather of each rank's partial
       column statistics over its own queries, merged by a log-sum-exp into the global ones, then
-      the all-reduce of the shares (not with diagonal labels: ``_diagonal_loss``);
+      the all-reduce of the shares (not with diagonal labels: ``_merge_fn``);
     - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners,
       then the reduce-scatter of the float32 gradient of the gathered keys.
 
@@ -261,13 +305,11 @@ class GatherInfoNCEFunction(torch.autograd.Function):
             payload = torch.full((num_keys + diagonal,), float("-inf"), device=query.device, dtype=_F32)
             if diagonal:
                 payload[num_keys] = 0.0
-        if diagonal:
-            col, loss = _diagonal_loss(payload, layout, group)
-        else:
-            if symmetric:
-                col = _merge_column_statistics(payload, layout, group)
-                if b:
-                    col_pos = _positive_rows(col[offset: offset + m], labels, b)
+        if symmetric:
+            col, loss = _merge_statistics(payload, layout, group, diagonal, backend, b * num_keys)
+            if b and not diagonal:
+                col_pos = _positive_rows(col[offset: offset + m], labels, b)
+        if not diagonal:
             loss = _share_and_sum(row, col_pos, pos, layout, group, query.device)
         ctx.save_for_backward(query, key, labels, row, col, s, key_all)
         ctx.scale_shape = scale.shape
@@ -281,8 +323,11 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         symmetric, backend, tile_size, layout, group = ctx.options
         b = query.shape[0]
         w = _weight(grad, layout, symmetric)
-        grad_col_all = None
-        if symmetric:  # b_j from each key's owner (its own upstream weight), for all M keys
+        grad_col_all = sizes = None
+        if symmetric and layout.diagonal:  # every rank's w: the column weights follow (the same
+            sizes = (layout.query_sizes, layout.key_sizes)  # branch on every rank: the layout's)
+            grad_col_all = _gather_payloads(w.reshape(1), layout, group).view(-1)
+        elif symmetric:  # b_j from each key's owner (its own upstream weight), for all M keys
             grad_col_all = all_gather_rows(column_weights(w, labels, b, key.shape[0]),
                                            layout.key_sizes, group)
         if b:
@@ -291,9 +336,9 @@ class GatherInfoNCEFunction(torch.autograd.Function):
             # (M c float32 bytes, 64 MB at 32k keys).
             offset = layout.key_offset()
             dq, dk_all, dscale = run_graphed(
-                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size, offset),
+                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size, offset, sizes),
                 (query, key_all, s, row, col, w, grad_col_all, labels),
-                options=(symmetric, tile_size, offset), logits=b * layout.num_keys, backend=backend,
+                options=(symmetric, tile_size, offset, sizes), logits=b * layout.num_keys, backend=backend,
                 max_logits=GATHER_MAX_LOGITS, borrow=(1,))
         else:  # zeros keep this rank in the reduce-scatter
             dq = torch.zeros_like(query)
