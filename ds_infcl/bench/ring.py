@@ -83,93 +83,119 @@ def _now_ms() -> float:
     return time.perf_counter() * 1e3
 
 
-def run_point(impl, b, c, dtype, group, args):
-    """One (impl, b) point on ``group``: (median ms, extra GiB, status), reduced over the group."""
-    import os
-
-    if impl in _PINNED:
-        os.environ["DS_INFCL_ALGORITHM"] = _PINNED[impl]
-        try:
-            return run_point("infcl", b, c, dtype, group, args)
-        finally:
-            os.environ.pop("DS_INFCL_ALGORITHM", None)
+def _make_step(impl, b, c, dtype, group, args):
+    """``(step, status)`` for one (impl, b) point on ``group``: ``step()`` runs one forward and
+    backward on fixed inputs (made here), ``None`` with a status when the point is skipped."""
     from ds_infcl.loss import contrastive_loss
-    from ds_infcl.ops.infonce_graph import clear_graphs
 
-    # Each point starts without cached CUDA graphs, as a training run of one shape would: the
-    # cache keeps the first shapes' graphs (MAX_GRAPHS) and would run later points eagerly.
-    clear_graphs()
     openclip = None
     if impl == "openclip":  # OpenCLIP's ClipLoss as its users run it across GPUs
         try:
             from open_clip.loss import ClipLoss
         except Exception as err:  # noqa: BLE001 - any import failure means the provider is unavailable
-            return float("nan"), float("nan"), f"skipped (open_clip unavailable: {type(err).__name__})"
+            return None, f"skipped (open_clip unavailable: {type(err).__name__})"
         openclip = ClipLoss(local_loss=True, gather_with_grad=True, rank=dist.get_rank(group),
                             world_size=dist.get_world_size(group))
-
     world = dist.get_world_size(group)
     free = torch.cuda.mem_get_info()[0] if _DEVICE == "cuda" else float("inf")
     need = _logit_bytes(impl, b, world)
     fits = _all_reduce(float(need < 0.9 * free), dist.ReduceOp.MIN, group)
     if not fits:
-        return float("nan"), float("nan"), f"skipped (~{need / 2**30:.0f} GiB of logits)"
-    status, ms, extra = "ok", float("nan"), float("nan")
-    oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
-    q = k = scale = None
-    try:
-        g = torch.Generator(device=_DEVICE).manual_seed(1234 + dist.get_rank())
-        q = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
-        k = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
-        q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
-        scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
-        q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
+        return None, f"skipped (~{need / 2**30:.0f} GiB of logits)"
+    g = torch.Generator(device=_DEVICE).manual_seed(1234 + dist.get_rank())
+    q = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
+    k = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
+    q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
+    scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
+    q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
+    pinned = _PINNED.get(impl)
+    if pinned is not None:
+        impl = "infcl"
 
-        def step():
-            if openclip is not None:
-                loss = openclip(q, k, scale)
-            else:
+    def step():
+        if openclip is not None:
+            loss = openclip(q, k, scale)
+        else:
+            if pinned is not None:
+                os.environ["DS_INFCL_ALGORITHM"] = pinned
+            try:
                 loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
                                         group=group, check_finite=False)
-            loss.backward()
+            finally:
+                if pinned is not None:
+                    os.environ.pop("DS_INFCL_ALGORITHM", None)
+        loss.backward()
 
-        def timed() -> float:
-            if _DEVICE != "cuda":
-                t0 = _now_ms()
-                step()
-                return _now_ms() - t0
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
+    return step, "ok"
 
-        # Warm-up: at least --warmup steps and --warmup-seconds of them (the first point of a
-        # process otherwise carries NCCL's and the allocator's first-use costs into its times).
-        t_warm = time.perf_counter()
-        n_warm = 0
-        while True:  # the ranks agree after each step, so they run the same number of them
-            step()
-            n_warm += 1
-            _sync()
-            if n_warm == 1 and _DEVICE == "cuda":
-                # Memory from after the first step (it compiles), over the rest of the warm-up and
-                # one timed step: CUDA graphs captured on a later step hold their buffers from then
-                # on, so they count, as in bench.loss.
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            more = n_warm < args.warmup or time.perf_counter() - t_warm < args.warmup_seconds
-            if not _all_reduce(float(more), dist.ReduceOp.MAX, group):
-                break
-        first = timed()
+
+def _timed(step) -> float:
+    """Milliseconds of one isolated step: CUDA events around it, then a synchronize."""
+    if _DEVICE != "cuda":
+        t0 = _now_ms()
+        step()
+        return _now_ms() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _warm_up(step, group, args, after_first=None) -> None:
+    """At least ``--warmup`` steps and ``--warmup-seconds`` of them (the first point of a process
+    otherwise carries NCCL's and the allocator's first-use costs into its times). The ranks agree
+    after each step, so they run the same number of them (a rank that ran one more would post
+    collectives nobody answers). ``after_first()`` runs after the first step."""
+    t_warm = time.perf_counter()
+    n_warm = 0
+    while True:
+        step()
+        n_warm += 1
+        _sync()
+        if n_warm == 1 and after_first is not None:
+            after_first()
+        more = n_warm < args.warmup or time.perf_counter() - t_warm < args.warmup_seconds
+        if not _all_reduce(float(more), dist.ReduceOp.MAX, group):
+            break
+
+
+def run_point(impl, b, c, dtype, group, args):
+    """One (impl, b) point on ``group``: (median ms, extra GiB, status), reduced over the group."""
+    from ds_infcl.ops.infonce_graph import clear_graphs
+
+    # Each point starts without cached CUDA graphs, as a training run of one shape would: the
+    # cache keeps the first shapes' graphs (MAX_GRAPHS) and would run later points eagerly.
+    clear_graphs()
+    status, ms, extra = "ok", float("nan"), float("nan")
+    oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
+    step = None
+    base = [0]
+
+    def start_memory():
+        # Memory from after the first step (it compiles), over the rest of the warm-up and one
+        # timed step: CUDA graphs captured on a later step hold their buffers from then on, so
+        # they count, as in bench.loss.
         if _DEVICE == "cuda":
-            extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+            base[0] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    try:
+        step, status = _make_step(impl, b, c, dtype, group, args)
+        if step is None:
+            return float("nan"), float("nan"), status
+        _warm_up(step, group, args, after_first=start_memory)
+        first = _timed(step)
+        if _DEVICE == "cuda":
+            extra = (torch.cuda.max_memory_allocated() - base[0]) / 2**30
+        # The same count on every rank (each step is collective): from the slowest rank's first.
+        first = _all_reduce(first, dist.ReduceOp.MAX, group)
         reps = int(max(args.min_reps, min(args.reps, args.seconds_per_point * 1e3 / max(first, 1e-3))))
-        ms = _quantile([timed() for _ in range(reps)], 0.5)
+        ms = _quantile([_timed(step) for _ in range(reps)], 0.5)
     except oom:
         status = "oom"
-    q = k = scale = None
+    step = None
     if _DEVICE == "cuda":
         torch.cuda.empty_cache()
     ok = _all_reduce(float(status == "ok"), dist.ReduceOp.MIN, group)
@@ -177,6 +203,66 @@ def run_point(impl, b, c, dtype, group, args):
         return float("nan"), float("nan"), "oom"
     return (_all_reduce(ms, dist.ReduceOp.MAX, group), _all_reduce(extra, dist.ReduceOp.MAX, group),
             "ok")
+
+
+def run_paired(b, impls, c, dtype, solo, args):
+    """``--paired``: every implementation at per-GPU batch ``b`` and the single-GPU reference
+    (``infcl`` at ``W b`` on each rank alone, ``solo``) timed in one process, in ``--paired``
+    rounds of ``--paired-calls`` isolated steps each, the order rotating every round, so that the
+    machine's drift over a run falls on all of them alike. ``{impl: (median ms, status)}``, the
+    slowest rank's median for the distributed points and the fastest rank's for the reference
+    (key ``"single"``), as the unpaired points are reduced; ``"algorithm"``: the one ``infcl``
+    chose. Separate runs of one point spread by
+    0.3 ms at 16k rows per GPU and by more than the two losses differ at 4k (2 x H100,
+    docs/distributed.md); paired, the differences stand out."""
+    from ds_infcl.ops import infonce_graph
+    from ds_infcl.ops.infonce_graph import clear_graphs
+
+    world = dist.get_world_size()
+    variants = [(impl, None, b) for impl in impls]
+    if world > 1 and not args.no_weak_scaling and any(i.startswith("infcl") for i in impls):
+        variants.append(("single", solo, world * b))
+    clear_graphs()
+    # Every variant keeps the graphs it would capture alone (each infcl variant up to 4).
+    saved_max = infonce_graph.MAX_GRAPHS
+    infonce_graph.MAX_GRAPHS = saved_max * max(1, len(variants))
+    oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
+    steps, out = {}, {}
+    try:
+        for name, group, rows in variants:
+            status = "oom"
+            try:
+                step, status = _make_step("infcl" if name == "single" else name, rows, c, dtype, group, args)
+                if step is not None:
+                    _warm_up(step, group, args)
+                    if name == "infcl":
+                        from ds_infcl.loss.ring import last_algorithm
+
+                        out["algorithm"] = last_algorithm()
+            except oom:
+                step, status = None, "oom"
+            # Every rank must agree before the rounds: a variant one rank dropped is dropped by all.
+            if not _all_reduce(float(step is not None and status == "ok"), dist.ReduceOp.MIN, None):
+                out[name] = (float("nan"), status if status != "ok" else "oom")
+                continue
+            steps[name] = step
+        times = {name: [] for name in steps}
+        names = list(steps)
+        for r in range(args.paired):
+            for name in names[r % len(names):] + names[: r % len(names)] if names else ():
+                _all_reduce(0.0, dist.ReduceOp.MAX, None)  # start each block together
+                times[name] += [_timed(steps[name]) for _ in range(args.paired_calls)]
+        for name in names:
+            med = _quantile(times[name], 0.5)
+            op = dist.ReduceOp.MIN if name == "single" else dist.ReduceOp.MAX
+            out[name] = (_all_reduce(med, op, None), "ok")
+    finally:
+        infonce_graph.MAX_GRAPHS = saved_max
+        steps = None
+        clear_graphs()
+        if _DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def _fmt(x, spec):
@@ -218,6 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--seconds-per-point", type=float, default=3.0)
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="time every impl and the single-GPU reference in the same rounds, ROUNDS of them, "
+                         "the order rotating (the paired comparison; no memory figures)")
+    ap.add_argument("--paired-calls", type=int, default=12, help="isolated steps per impl and round (--paired)")
     ap.add_argument("--no-weak-scaling", action="store_true", help="skip the single-GPU runs")
     ap.add_argument("--no-tf32", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the CSV (rank 0)")
@@ -246,8 +336,16 @@ def main(argv=None) -> int:
     rows = []
     single_ms = {}
     for b in args.batch:
+        paired = run_paired(b, args.impls, args.dim, dtype, solo, args) if args.paired else None
+        if paired is not None:
+            paired_algorithm = paired.pop("algorithm", None)
+            if "single" in paired:
+                single_ms[b] = paired["single"][0]
         for impl in args.impls:
-            ms, extra, status = run_point(impl, b, args.dim, dtype, None, args)
+            if paired is not None:
+                (ms, status), extra = paired[impl], float("nan")
+            else:
+                ms, extra, status = run_point(impl, b, args.dim, dtype, None, args)
             single = eff = float("nan")
             if impl.startswith("infcl") and status == "ok" and world > 1 and not args.no_weak_scaling:
                 if b not in single_ms:  # one single-GPU run per b, shared by the infcl variants
@@ -268,7 +366,11 @@ def main(argv=None) -> int:
             if impl == "infcl" and world > 1:
                 from ds_infcl.loss.ring import last_algorithm
 
-                row["status"] = f"{status} ({last_algorithm()})"  # the algorithm auto chose
+                # the algorithm auto chose (paired: recorded after infcl's own warm-up)
+                chosen = paired_algorithm if paired is not None else last_algorithm()
+                row["status"] = f"{status} ({chosen})"
+            if paired is not None:
+                row["status"] += f" (paired, {args.paired} x {args.paired_calls} calls)"
             rows.append(row)
             if rank == 0:
                 print(f"[{impl} b={b}] {row['status']} ms={_fmt(ms, '.1f')} extra={_fmt(extra, '.2f')} GiB "

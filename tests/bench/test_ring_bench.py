@@ -1,0 +1,49 @@
+"""``python -m ds_infcl.bench.ring --cpu-smoke`` on 2 gloo ranks, as the GPU runs use it: the table
+and the CSV, point by point and ``--paired`` (every impl and the single-GPU reference in the same
+rounds). Checks the script, not the numbers; among that, that the ranks run the same number of
+steps of a point (a rank with more would post collectives nobody answers: a hang, which the
+point-by-point mode could hit when the ranks' first steps straddled ``--seconds-per-point / --reps``;
+timing-dependent, it hung this test once before the fix)."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ds_infcl.train.dist import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(tmp_path, *extra):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--impls", "infcl", "infcl_ring", "local",
+           "--batch", "12", "--dim", "8", "--warmup-seconds", "0", "--seconds-per-point", "0.05",
+           "--out", str(tmp_path), *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r[0]: r for r in re.findall(r"^\| (\w+) \| 12 \| 24 \| ([0-9.]+) \| (\S+) \| [0-9.]+ \| (\S+) \| (\S+) \| "
+                                         r"(.+?) \|$", out.stdout, re.M)}
+    with open(os.path.join(tmp_path, "ring_cpu-smoke_w2.csv")) as f:
+        saved = list(csv.DictReader(f))
+    return rows, saved
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_ring_bench_table_and_csv(tmp_path, paired):
+    extra = ("--paired", "1", "--paired-calls", "2") if paired else ()
+    rows, saved = _run(tmp_path, *extra)
+    assert set(rows) == {"infcl", "infcl_ring", "local"}, rows
+    assert [r["impl"] for r in saved] == ["infcl", "infcl_ring", "local"]
+    suffix = " (paired, 1 x 2 calls)" if paired else ""
+    # infcl names the algorithm it chose, even when the pinned ring ran after it (paired: the
+    # rounds end with infcl_ring and the single-GPU reference)
+    assert rows["infcl"][5] == "ok (gather)" + suffix, rows["infcl"]
+    assert rows["infcl_ring"][5] == "ok" + suffix and rows["local"][5] == "ok" + suffix
+    for impl in ("infcl", "infcl_ring"):  # the single-GPU reference and the weak-scaling figure
+        assert float(rows[impl][3]) > 0 and rows[impl][4].endswith("%"), rows[impl]
+    assert rows["local"][3] == "-" and rows["local"][4] == "-"
