@@ -49,6 +49,7 @@ import torch
 
 from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
+from ds_infcl.ops.validation import int_setting
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -83,7 +84,7 @@ def _check_overlap_setting(value: str) -> str:
 
 # Checked at import: a bad value stops the process before any collective.
 RING_OVERLAP = _check_overlap_setting(os.environ.get("DS_INFCL_RING_OVERLAP", "auto"))
-RING_OVERLAP_MAX_ROWS = int(os.environ.get("DS_INFCL_RING_OVERLAP_MAX_ROWS", "12288"))
+RING_OVERLAP_MAX_ROWS = int_setting("DS_INFCL_RING_OVERLAP_MAX_ROWS", 12288, minimum=0)
 
 
 def overlap_exchange(layout: RingLayout) -> bool:
@@ -290,8 +291,8 @@ def ring_lse(
 # (21.0 vs 21.1 ms at 32k, 81.4 vs 80.0 at 64k), so the cap only keeps the measured choice.
 # The byte cap keeps the extra memory of the gather path at most 0.5 GiB (c = 512, bf16:
 # M <= 174,762 keys); above it the ring's memory does not grow with the world size.
-GATHER_MAX_LOCAL = int(os.environ.get("DS_INFCL_GATHER_MAX_LOCAL", "16384"))
-GATHER_MAX_BYTES = int(os.environ.get("DS_INFCL_GATHER_MAX_BYTES", str(1 << 29)))
+GATHER_MAX_LOCAL = int_setting("DS_INFCL_GATHER_MAX_LOCAL", 16384, minimum=0)
+GATHER_MAX_BYTES = int_setting("DS_INFCL_GATHER_MAX_BYTES", 1 << 29, minimum=0)
 _LAST = {"algorithm": None}
 
 

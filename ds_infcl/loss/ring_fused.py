@@ -52,6 +52,7 @@ from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_back
 from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, run_graphed
+from ds_infcl.ops.validation import int_setting
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
 
@@ -63,7 +64,7 @@ _F32 = torch.float32
 # alternating with it off in one process: 0.03-0.13 ms faster at 16,384 rows per rank (three runs),
 # 0.19 / 0.11 / 0.19 ms slower at 12,288 / 8,192 / 4,096, where the block's GPU time covers less of
 # the exchange than the extra graph launch costs the host.
-EARLY_MIN_LOGITS = int(os.environ.get("DS_INFCL_GATHER_EARLY_MIN_LOGITS", str(1 << 28)))
+EARLY_MIN_LOGITS = int_setting("DS_INFCL_GATHER_EARLY_MIN_LOGITS", 1 << 28, minimum=0)
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:

@@ -44,6 +44,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ds_infcl.ops.validation import int_setting
+
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS",
            "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
@@ -54,20 +56,9 @@ def _check_mode(value: str) -> str:
     return value
 
 
-def _positive_int(name: str, default: int) -> int:
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {text!r}")
-    return value
-
-
 CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
-MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
-GATHER_MAX_LOGITS = _positive_int("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
+MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
+GATHER_MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
 MAX_GRAPHS = 4
 
 _SEEN: "collections.Counter" = collections.Counter()

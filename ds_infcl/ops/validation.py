@@ -7,11 +7,13 @@ local check result so that a bad input on one rank raises on every rank instead 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size"]
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size",
+           "int_setting"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -205,3 +207,17 @@ def check_tile_size(tile_size) -> None:
             f"tile_size must be a positive integer (the tile edge of the torch backend) or None for the "
             f"device default, got {tile_size!r}"
         )
+
+
+def int_setting(name: str, default: int, minimum: int = 1) -> int:
+    """The integer environment setting ``name`` (``default`` when unset), read where a module is
+    imported so that a bad value stops the process before any work, with a message naming it."""
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {text!r}")
+    return value

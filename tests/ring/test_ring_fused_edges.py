@@ -9,6 +9,8 @@ on a keys-only rank (check_finite on and off)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -248,3 +250,22 @@ def test_ranks_with_different_algorithm_settings_stop_with_one_error():
     results = spawn(_settings_worker, 2, None, timeout=90)
     for rank, msg in enumerate(results):
         assert "disagree on the algorithm settings" in msg and "DS_INFCL_ALGORITHM" in msg, (rank, msg)
+
+
+def _import_error(module: str, **env) -> str:
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], env=dict(os.environ, **env),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stdout
+    return r.stderr
+
+
+@pytest.mark.parametrize("name, value, want", [
+    ("DS_INFCL_GATHER_EARLY_MIN_LOGITS", "16k", "must be an integer >= 0, got '16k'"),
+    ("DS_INFCL_GATHER_MAX_LOCAL", "-1", "must be an integer >= 0, got '-1'"),
+    ("DS_INFCL_GATHER_MAX_BYTES", "0.5GiB", "must be an integer >= 0, got '0.5GiB'"),
+    ("DS_INFCL_RING_OVERLAP_MAX_ROWS", "", "must be an integer >= 0, got ''"),
+])
+def test_bad_algorithm_settings_stop_the_import(name, value, want):
+    """Each integer setting of the algorithms is read at import: a bad value stops the process
+    before any collective, naming the variable."""
+    assert f"{name} {want}" in _import_error("ds_infcl.loss.ring_fused", **{name: value})
