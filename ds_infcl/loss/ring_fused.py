@@ -27,8 +27,9 @@ positive logit.
   against all keys once, for both directions, exactly as the ring computes one block:
   ``row = lse(Q_r, K_all)`` and the partial column statistics over its own queries, which one
   all-gather of ``W x M`` floats and a log-sum-exp merge into the global ``col`` on every rank.
-  The backward all-gathers the column weights ``b_j`` from the keys' owners and runs one
-  backward over ``(Q_r, K_all)`` with the global statistics. The positive of query i is key
+  The backward all-gathers the column weights ``b_j`` from the keys' owners (with no labels on
+  any rank, each owner's one weight) and runs one backward over ``(Q_r, K_all)`` with the global
+  statistics. The positive of query i is key
   ``key_offset + l_i`` of ``K_all``. (The first version gathered the queries too and computed
   the two directions as two separate passes: twice the logits of the ring, issue 17.) From
   ``EARLY_MIN_LOGITS`` up, the own block ``lse(Q_r, K_r)`` runs before the layout exchange
@@ -273,8 +274,10 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     - forward: the all-gather of the keys, then (symmetric) the all-gather of each rank's partial
       column statistics over its own queries, merged by a log-sum-exp into the global ones, then
       the all-reduce of the shares (not with diagonal labels: ``_merge_fn``);
-    - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners,
-      then the reduce-scatter of the float32 gradient of the gathered keys.
+    - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners
+      (when no rank passed labels, of each rank's weight ``w``, one float, from which every rank
+      forms them: ``_diagonal_column_weights``), then the reduce-scatter of the float32 gradient
+      of the gathered keys.
 
     Every logit is computed once per pass, for both directions, as in the ring. Holds the gathered
     keys and, in the backward, their float32 gradient: ``M c (e + 4)`` bytes for ``e``-byte
