@@ -76,6 +76,7 @@ import torch
 import triton
 
 from ds_infcl.ops import gluon_lse_forward, gluon_lse_kernels
+from ds_infcl.ops.validation import flag_setting
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
@@ -114,7 +115,7 @@ MIN_CHUNK_COLS = 4096
 
 def allow_tf32() -> bool:
     """True when fp32 inputs may use TF32 dot products (``DS_INFCL_ALLOW_TF32=1``)."""
-    return os.environ.get("DS_INFCL_ALLOW_TF32", "0") == "1"
+    return flag_setting("DS_INFCL_ALLOW_TF32", False)
 
 
 def _interpreting() -> bool:
@@ -149,11 +150,11 @@ _LAST_KERNELS: dict = {}
 # so one program fits an SM; a second one per SM only queues (measured 27% slower on H200).
 PROGRAMS_PER_SM = 1
 # Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
-EXACT_MUL = os.environ.get("DS_INFCL_TRITON_EXACT_MUL", "1") == "1"
+EXACT_MUL = flag_setting("DS_INFCL_TRITON_EXACT_MUL", True)
 # One exponential per logit in the backward of both directions (range check, exact fallback).
-ONE_EXP = os.environ.get("DS_INFCL_TRITON_ONE_EXP", "1") == "1"
+ONE_EXP = flag_setting("DS_INFCL_TRITON_ONE_EXP", True)
 # 16-bit inputs: each exponent's argument is one fused multiply-add (``_exp_shifted``).
-FMA_EXP = os.environ.get("DS_INFCL_TRITON_FMA_EXP", "1") == "1"
+FMA_EXP = flag_setting("DS_INFCL_TRITON_FMA_EXP", True)
 
 
 _NUM_SMS: dict = {}

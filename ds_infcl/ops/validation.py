@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size",
-           "int_setting"]
+           "int_setting", "flag_setting"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -221,3 +221,14 @@ def int_setting(name: str, default: int, minimum: int = 1) -> int:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {kind}, got {text!r}")
     return value
+
+
+def flag_setting(name: str, default: bool) -> bool:
+    """The on/off environment setting ``name``: ``"1"`` or ``"0"`` (``default`` when unset); any
+    other value raises, naming it, rather than silently meaning off."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name} must be '1' (on) or '0' (off), got {text!r}")
+    return text == "1"

@@ -11,6 +11,8 @@ several of each are exercised.
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -413,3 +415,12 @@ def test_gluon_forward_build_failure_falls_back_to_triton_once(monkeypatch):
     for got, rep, want, p in zip((row, col), again, ref, plain):
         torch.testing.assert_close(got, rep)
         assert rel_err(got, want) <= error_bound(torch.float16, rel_err(p, want))
+
+
+def test_bad_kernel_switches_stop_the_import():
+    """The kernels' on/off switches take '1' or '0'; another value is an error naming the variable,
+    not a silent 'off'."""
+    r = subprocess.run([sys.executable, "-c", "import ds_infcl.ops.triton_lse"],
+                       env=dict(os.environ, DS_INFCL_TRITON_ONE_EXP="yes"), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "DS_INFCL_TRITON_ONE_EXP must be '1' (on) or '0' (off), got 'yes'" in r.stderr
