@@ -169,13 +169,27 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+def _tuning_ints(name: str, text: str, sep: str, form: str, counts: Tuple[int, int]) -> Tuple[int, ...]:
+    """The integers of the tuning setting ``name`` (``text`` split at ``sep``): ``counts[0]``
+    required ones, positive, then up to ``counts[1]`` in all, the optional ones >= 0 (0: the
+    default); otherwise an error naming the variable and its form."""
+    try:
+        values = tuple(int(v) for v in text.split(sep))
+    except ValueError:
+        values = ()
+    n = counts[0]
+    if not n <= len(values) <= counts[1] or min(values[:n]) <= 0 or min(values[n:], default=0) < 0:
+        raise ValueError(f"{name} must be {form!r} (integers, the required ones positive), got {text!r}")
+    return values
+
+
 def _env_config(name: str) -> Optional[_Config]:
     """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]"
     overrides (tuning)."""
     val = os.environ.get(name)
     if not val:
         return None
-    return _Config(*[int(v) for v in val.split(",")])
+    return _Config(*_tuning_ints(name, val, ",", "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]", (5, 7)))
 
 
 def _pick_config(kind: str, b: int, m: int, c: int, dtype: torch.dtype, device: torch.device) -> _Config:
@@ -235,7 +249,12 @@ def _gluon_tiles(env: str, default: str) -> Tuple[Tuple[int, ...], dict]:
     environment variable ``env`` for tuning (``DS_INFCL_GLUON_TILES="BM,BN,BK,stages,consumers[,
     consumer_regs,producer_regs,maxnreg]"``, ``DS_INFCL_GLUON_FWD_TILES="BM,BN,BK,stages,turns[,
     ...]"``)."""
-    return gluon_lse_kernels.gluon_config(os.environ.get(env) or default)
+    text = os.environ.get(env)
+    if text:
+        form = "BM,BN,BK,stages,{}[,consumer_regs,producer_regs,maxnreg]".format(
+            "turns" if env.endswith("FWD_TILES") else "consumers")
+        _tuning_ints(env, text, ",", form, (5, 8))
+    return gluon_lse_kernels.gluon_config(text or default)
 
 
 # Why a Gluon kernel ("forward" / "backward") could not be built in this process
@@ -564,7 +583,7 @@ def _chunks(align: int) -> Tuple[int, int, bool]:
     a block must start where a forward tile starts, so that the recomputed logits are
     bit-identical to the forward's (the same tile position runs the same dot-product order)."""
     env = os.environ.get("DS_INFCL_TRITON_CHUNK")
-    r, c = (int(v) for v in env.lower().split("x")) if env else (CHUNK_ROWS, CHUNK_COLS)
+    r, c = _tuning_ints("DS_INFCL_TRITON_CHUNK", env.lower(), "x", "RxC", (2, 2)) if env else (CHUNK_ROWS, CHUNK_COLS)
     return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align, bool(env)
 
 

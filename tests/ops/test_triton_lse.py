@@ -11,6 +11,7 @@ several of each are exercised.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -424,3 +425,30 @@ def test_bad_kernel_switches_stop_the_import():
                        env=dict(os.environ, DS_INFCL_TRITON_ONE_EXP="yes"), capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "DS_INFCL_TRITON_ONE_EXP must be '1' (on) or '0' (off), got 'yes'" in r.stderr
+
+
+@pytest.mark.parametrize("name, value, form", [
+    ("DS_INFCL_TRITON_FWD", "128,128,64", "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]"),
+    ("DS_INFCL_TRITON_BWD", "64,128,64,4,x", "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]"),
+    ("DS_INFCL_TRITON_CHUNK", "8192", "RxC"),
+    ("DS_INFCL_GLUON_TILES", "128,0,32,4,2", "BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]"),
+    ("DS_INFCL_GLUON_FWD_TILES", "128,128,64,3,1,240,40,232,9", "BM,BN,BK,stages,turns[,consumer_regs,producer_regs,maxnreg]"),
+])
+def test_bad_tuning_settings_name_their_form(monkeypatch, name, value, form):
+    """The tuning overrides of the tiles fail with the variable and the form it takes (they raised
+    a bare int() or unpacking error)."""
+    from ds_infcl.ops import triton_lse
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be {form!r}")):
+        if name == "DS_INFCL_TRITON_CHUNK":
+            triton_lse._chunks(32)
+        elif name.startswith("DS_INFCL_GLUON"):
+            triton_lse._gluon_tiles(name, triton_lse.GLUON_TILES)
+        else:
+            triton_lse._env_config(name)
+    monkeypatch.setenv(name, {"DS_INFCL_TRITON_CHUNK": "8192x4096"}.get(name, "128,128,64,8,3,0"))
+    if name == "DS_INFCL_TRITON_CHUNK":  # a good value still parses (0: an optional field's default)
+        assert triton_lse._chunks(32)[:2] == (8192, 4096)
+    elif name.startswith("DS_INFCL_TRITON"):
+        assert triton_lse._env_config(name).maxnreg == 0
