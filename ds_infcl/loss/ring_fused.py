@@ -175,11 +175,18 @@ def _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
                                     tile_size=tile_size)
         pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, backend=backend,
                                       tile_size=tile_size)
-        if symmetric and diagonal:
-            return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
-        return row, col_part, pos
+        return _forward_outputs(row, col_part, pos, diagonal)
 
     return forward
+
+
+def _forward_outputs(row, col_part, pos, diagonal):
+    """The local forward's ``(row, payload, pos)`` from its statistics: the payload is the partial
+    column statistics (``None`` one-directional); with ``diagonal`` (symmetric, no labels on any
+    rank) this rank's row term ``sum_i (row_i - 2 pos_i)`` ends it and ``pos`` is not returned."""
+    if diagonal:
+        return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
+    return row, col_part, pos
 
 
 def _own_block_fn(symmetric, backend, tile_size):
@@ -209,13 +216,11 @@ def _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
                                        tile_size=tile_size)
             row = torch.logaddexp(row, row_t)
             cols.append(col_t)
+        col_part = None
         if symmetric:
             cols.insert(1 if offset else 0, col_own)
             col_part = torch.cat(cols)
-            if diagonal:
-                return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
-            return row, col_part, pos
-        return row, None, pos
+        return _forward_outputs(row, col_part, pos, diagonal)
 
     return forward
 
