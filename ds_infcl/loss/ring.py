@@ -293,6 +293,12 @@ def ring_lse(
 # M <= 174,762 keys); above it the ring's memory does not grow with the world size.
 GATHER_MAX_LOCAL = int_setting("DS_INFCL_GATHER_MAX_LOCAL", 16384, minimum=0)
 GATHER_MAX_BYTES = int_setting("DS_INFCL_GATHER_MAX_BYTES", 1 << 29, minimum=0)
+# The gather path runs its own block's backward in the forward (ds_infcl.loss.ring_fused) where
+# some rank's own block (b_r m_r) has at least this many logits: see own_backward_early. Measured
+# on 2 x H100 (c = 512, bf16, symmetric, 2026-11-26, docs/distributed.md), 192 calls each, paired
+# in one process: 2.29 against 2.43 ms at 8,192 rows per rank, 4.92 against 4.97 at 16,384;
+# 2.12 against 1.76 at 4,096, where the host's extra graph launch costs more than it hides.
+GATHER_OWN_BACKWARD_MIN_LOGITS = int_setting("DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS", 1 << 26, minimum=0)
 _LAST = {"algorithm": None}
 
 
@@ -312,6 +318,14 @@ def choose_algorithm(layout: RingLayout, dim: int, element_size: int) -> str:
     return "gather"
 
 
+def own_backward_early(layout: RingLayout) -> bool:
+    """Whether the gather path computes its own block's backward in the forward: the same on every
+    rank (the layout and a setting in ``algorithm_settings``), since its backward's collectives
+    follow (an all-to-all of the other keys' gradient instead of a reduce-scatter)."""
+    own = max(b * m for b, m in zip(layout.query_sizes, layout.key_sizes))
+    return own > 0 and own >= GATHER_OWN_BACKWARD_MIN_LOGITS
+
+
 def gather_bytes(layout: RingLayout, dim: int, element_size: int) -> int:
     """Bytes the gather path holds per rank: the gathered keys and their float32 gradient."""
     return layout.num_keys * dim * (element_size + 4)
@@ -323,7 +337,7 @@ def algorithm_settings() -> int:
     with different values stop with an error naming them instead of running different collectives
     (a hang on NCCL)."""
     text = (f"{os.environ.get('DS_INFCL_ALGORITHM', 'auto')}|{GATHER_MAX_LOCAL}|{GATHER_MAX_BYTES}|"
-            f"{RING_OVERLAP}|{RING_OVERLAP_MAX_ROWS}")
+            f"{RING_OVERLAP}|{RING_OVERLAP_MAX_ROWS}|{GATHER_OWN_BACKWARD_MIN_LOGITS}")
     return zlib.crc32(text.encode())
 
 
@@ -364,7 +378,8 @@ def ring_infonce(
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or scale_t.requires_grad)
         return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
-                                           layout, group, own)
+                                           layout, group, own, grad)
     return RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
                                      group)

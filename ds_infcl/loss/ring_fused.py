@@ -17,7 +17,7 @@ symmetric (else 1). Its share of the loss and the global value are::
 
 ``row_i`` over all keys of all ranks, ``col'_i`` the column LSE of query i's positive key over all
 queries, ``pos_i = s q_i . k_{l_i}``. The forward all-reduces the share (every rank returns ``L``;
-the gather path's symmetric loss with diagonal labels needs no all-reduce, see ``_merge_fn``);
+the gather path's symmetric loss with diagonal labels needs no all-reduce, see ``merge_fn``);
 the backward, with upstream ``g``, uses the weight ``w = g W f / B`` (the ``W`` of the data-parallel
 contract, see ``ds_infcl.ring.collectives``) for every LSE term and ``-w`` per direction for each
 positive logit.
@@ -34,6 +34,11 @@ positive logit.
   the two directions as two separate passes: twice the logits of the ring, issue 17.) From
   ``EARLY_MIN_LOGITS`` up, the own block ``lse(Q_r, K_r)`` runs before the layout exchange
   (``own_block_early``) and the forward then covers the other ranks' keys and merges the two.
+  From ``GATHER_OWN_BACKWARD_MIN_LOGITS`` up (``own_backward_early``), the own block's backward
+  runs in the forward, for the unit weight: every weight in that block is its rank's ``w`` (its
+  row terms', its positives', its keys' column weights), so it is exact times ``g``, whatever
+  the other ranks' ``g``. The backward then covers the other ranks' keys and sends their
+  gradient to its owners by one all-to-all (no reduce-scatter of all ``M`` rows).
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
 
@@ -49,10 +54,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ds_infcl.loss.gather_blocks import (
+    gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, rest_backward_fn,
+)
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
-from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
+from ds_infcl.ops import positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
-from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, run_graphed
+from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, outputs_intact, run_graphed
 from ds_infcl.ops.validation import int_setting
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
@@ -95,16 +103,6 @@ def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Te
     return (grad if grad.dtype == _F32 else grad.float()) * factor
 
 
-def _lse_over_ranks(parts: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp over dim 0 of ``[W, n]``: one kernel for ``W <= 2`` (``torch.logsumexp`` is
-    several: its maximum, the shift, the exponentials, the sum, the logarithm)."""
-    if parts.shape[0] == 1:
-        return parts[0]
-    if parts.shape[0] == 2:
-        return torch.logaddexp(parts[0], parts[1])
-    return torch.logsumexp(parts, dim=0)
-
-
 def _gather_payloads(payload: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
     """Every rank's payload as the rows of ``[W, len(payload)]`` (one all-gather)."""
     if layout.world == 1:
@@ -114,30 +112,8 @@ def _gather_payloads(payload: torch.Tensor, layout: RingLayout, group) -> torch.
     return parts
 
 
-def _merge_fn(m: int, diagonal_spans, factor: Optional[float]):
-    """The statistics' merge as a function of the gathered payloads ``parts [W, ...]`` (what a
-    graph captures): the global column LSE ``[M]`` from each rank's partial one over its own
-    queries (the first ``m`` floats of each row). With ``factor`` (the symmetric loss when no rank
-    passed labels, without an all-reduce) also the loss: each row ends with its rank's row term
-    ``sum_i (row_i - 2 pos_i)``, and the column term ``sum_i col_{offset_r + i}`` over every rank's
-    queries is known to all once ``col`` is (query ``i`` of rank ``r`` is paired with key
-    ``offset_r + i``; ``diagonal_spans``: those keys' ranges, ``None`` when they are all keys)."""
-
-    def merge(parts):
-        col = _lse_over_ranks(parts[:, :m])
-        if factor is None:
-            return col, None
-        if diagonal_spans is None:  # every key is some query's positive (CLIP)
-            cols = col.sum()
-        else:
-            cols = torch.cat([col[lo:hi] for lo, hi in diagonal_spans]).sum()
-        return col, (parts[:, m].sum() + cols) * factor
-
-    return merge
-
-
 def _merge_statistics(payload, layout: RingLayout, group, diagonal: bool, backend: str, logits: int):
-    """``(col, loss or None)`` on every rank from the payloads of all ranks (``_merge_fn``); the
+    """``(col, loss or None)`` on every rank from the payloads of all ranks (``merge_fn``); the
     arithmetic after the all-gather replays from a CUDA graph where the shapes repeat."""
     m = layout.num_keys
     spans = None
@@ -145,84 +121,8 @@ def _merge_statistics(payload, layout: RingLayout, group, diagonal: bool, backen
         spans = tuple((layout.key_offset(r), layout.key_offset(r) + b) for r, b in enumerate(layout.query_sizes))
     factor = 0.5 / layout.num_queries if diagonal else None
     parts = _gather_payloads(payload, layout, group)
-    return run_graphed("gather_merge", _merge_fn(m, spans, factor), (parts,), options=(m, spans, factor),
+    return run_graphed("gather_merge", merge_fn(m, spans, factor), (parts,), options=(m, spans, factor),
                        logits=logits, backend=backend, max_logits=GATHER_MAX_LOGITS)
-
-
-def _diagonal_column_weights(w_all: torch.Tensor, query_sizes, key_sizes) -> torch.Tensor:
-    """``[M]`` upstream weights of the keys' column LSE when no rank passed labels: ``w`` of rank
-    ``r`` (``w_all[r]``) for each of its first ``b_r`` keys, 0 for its keys beyond its queries
-    (``column_weights`` of every rank, concatenated)."""
-    if query_sizes == key_sizes and len(set(key_sizes)) == 1:
-        return w_all.view(-1, 1).expand(-1, key_sizes[0]).reshape(-1)
-    pieces = []
-    for r, (b, m) in enumerate(zip(query_sizes, key_sizes)):
-        pieces.append(w_all[r].expand(b))
-        if m > b:
-            pieces.append(w_all.new_zeros((m - b,)))
-    return torch.cat(pieces)
-
-
-def _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
-    """The gather path's local forward kernels as a function of tensors (what a graph captures):
-    ``(row [b], payload, positive logits [b] or None)``. The payload goes to the all-gather of the
-    column statistics: the partial column statistics ``[M]`` (symmetric), followed by this rank's
-    row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``_merge_fn``; ``pos`` is
-    then not returned). This rank's keys are rows ``[offset, offset + m)`` of ``key_all``."""
-
-    def forward(query, key_all, s, labels):
-        row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
-                                    tile_size=tile_size)
-        pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, backend=backend,
-                                      tile_size=tile_size)
-        return _forward_outputs(row, col_part, pos, diagonal)
-
-    return forward
-
-
-def _forward_outputs(row, col_part, pos, diagonal):
-    """The local forward's ``(row, payload, pos)`` from its statistics: the payload is the partial
-    column statistics (``None`` one-directional); with ``diagonal`` (symmetric, no labels on any
-    rank) this rank's row term ``sum_i (row_i - 2 pos_i)`` ends it and ``pos`` is not returned."""
-    if diagonal:
-        return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
-    return row, col_part, pos
-
-
-def _own_block_fn(symmetric, backend, tile_size):
-    """This rank's queries against its own keys, the block that needs no other rank's data:
-    ``(row [b], partial column statistics [m] or None, positive logits [b])`` (what a graph
-    captures; see ``GatherInfoNCEFunction``'s ``own``)."""
-
-    def own(query, key, s, labels):
-        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
-        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
-        return row, col, pos
-
-    return own
-
-
-def _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
-    """The gather path's local forward when the own block ran early (``_own_block_fn``): the
-    queries against the other ranks' keys (rows ``[0, offset)`` and ``[offset + m, M)`` of
-    ``key_all``), merged with the own block's statistics into the outputs of ``_gather_forward_fn``."""
-
-    def forward(query, key_all, s, row_own, col_own, pos):
-        row, cols = row_own, []
-        for lo, hi in ((0, offset), (offset + m, key_all.shape[0])):
-            if lo == hi:
-                continue
-            row_t, col_t = lse_forward(query, key_all[lo:hi], s, compute_col=symmetric, backend=backend,
-                                       tile_size=tile_size)
-            row = torch.logaddexp(row, row_t)
-            cols.append(col_t)
-        col_part = None
-        if symmetric:
-            cols.insert(1 if offset else 0, col_own)
-            col_part = torch.cat(cols)
-        return _forward_outputs(row, col_part, pos, diagonal)
-
-    return forward
 
 
 def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, world):
@@ -242,33 +142,37 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
         return None
     with torch.no_grad():
         return run_graphed(
-            "gather_own", _own_block_fn(symmetric, backend, tile_size),
+            "gather_own", own_block_fn(symmetric, backend, tile_size),
             (query.detach(), key.detach(), scale_t.detach(), labels), options=(symmetric, tile_size),
             logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2))
 
 
-def _gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=None):
-    """The gather path's local backward: ``(dq in the queries' dtype, d key_all float32, dscale
-    float32)`` for the upstream weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for
-    each positive logit. Query i's positive is key ``offset + l_i`` of ``key_all`` (``offset + i``
-    for ``labels=None``). ``grad_col`` is the keys' column weights ``[M]``, or, with
-    ``diagonal_sizes = (query sizes, key sizes)`` (no rank passed labels), every rank's ``w``
-    ``[W]``, from which they are formed here (``_diagonal_column_weights``)."""
+def _own_backward(query, key, s, row, col, labels, layout: RingLayout, symmetric, backend, tile_size):
+    """``(own_backward_fn's outputs for the unit weight W f / B, token)``, replayed from a graph
+    where the shapes repeat. The outputs are the graph's buffers (64 MB at 16k rows, c = 512, not
+    copied): they hold this call's values while ``outputs_intact(token)``; a second forward
+    before this one's backward replays the graph, and the backward computes the block again (a
+    local computation: ranks may differ in that)."""
+    b, m = query.shape[0], key.shape[0]
+    offset = layout.key_offset()
+    unit = _weight(torch.ones((), device=s.device, dtype=_F32), layout, symmetric)
+    return run_graphed(
+        "gather_own_backward", own_backward_fn(symmetric, backend, tile_size),
+        (query, key, s, row, None if col is None else col[offset: offset + m], unit, labels),
+        options=(symmetric, tile_size), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
+        borrow=(0, 1, 2), token=True)
 
-    def backward(query, key_all, s, row, col, w, grad_col, labels):
-        b = query.shape[0]
-        if diagonal_sizes is not None:
-            grad_col = _diagonal_column_weights(grad_col, *diagonal_sizes)
-        if labels is not None:
-            labels = labels + offset if offset else labels
-        elif offset:
-            labels = torch.arange(offset, offset + b, device=query.device)
-        dq, dk_all, dscale = lse_backward(
-            query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
-            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend, tile_size=tile_size)
-        return dq.to(query.dtype), dk_all, dscale
 
-    return backward
+def _send_key_gradients(dk_rest: torch.Tensor, layout: RingLayout, group):
+    """Start sending the gradient of the other ranks' keys (``dk_rest``, rank order, this rank's
+    rows left out) to their owners and receiving theirs for this rank's keys, by one all-to-all:
+    ``(work, received [(W - 1) m, c])``, unfinished (``work.wait()``)."""
+    m, c = layout.key_sizes[layout.rank], dk_rest.shape[1]
+    send = [0 if r == layout.rank else k for r, k in enumerate(layout.key_sizes)]
+    recv = [0 if r == layout.rank else m for r in range(layout.world)]
+    received = dk_rest.new_empty(((layout.world - 1) * m, c))
+    work = dist.all_to_all_single(received, dk_rest.contiguous(), recv, send, group=group, async_op=True)
+    return work, received
 
 
 class GatherInfoNCEFunction(torch.autograd.Function):
@@ -278,18 +182,37 @@ class GatherInfoNCEFunction(torch.autograd.Function):
 
     - forward: the all-gather of the keys, then (symmetric) the all-gather of each rank's partial
       column statistics over its own queries, merged by a log-sum-exp into the global ones, then
-      the all-reduce of the shares (not with diagonal labels: ``_merge_fn``);
+      the all-reduce of the shares (not with diagonal labels: ``merge_fn``);
     - backward: (symmetric) the all-gather of the column weights ``b_j`` from the keys' owners
       (when no rank passed labels, of each rank's weight ``w``, one float, from which every rank
-      forms them: ``_diagonal_column_weights``), then the reduce-scatter of the float32 gradient
-      of the gathered keys.
+      forms them: ``diagonal_column_weights``), then the reduce-scatter of the float32 gradient
+      of the gathered keys; or, with ``own_backward_early`` (the same on every rank), the
+      all-to-all of the other ranks' keys' gradient (``_backward_rest``).
+
+    **The own block's backward in the forward** (``own_backward_early``). Why (issue 17, 2 x H100,
+    16k rows per GPU): the host reached the backward's first kernel ~0.25-0.5 ms after the GPU
+    had finished the forward (the statistics' merge, autograd, the weight, the column weights'
+    all-gather, the graph's input copies), and the reduce-scatter of all ``M`` rows sat after
+    every kernel. With the own block's backward (half the backward's work) queued at the end of
+    the forward, the GPU computes while the host gets to the backward; the backward's block over
+    the other keys follows, and only their gradient is sent. Its outputs are its graph's buffers,
+    not copies; a second forward before this one's backward replays that graph, and the backward
+    then computes the block again (``outputs_intact``). Measured and dropped, the same day: the
+    whole backward in the forward for ``g = 1``, checked in the backward by an all-gather of
+    every rank's ``g`` (the host's read of it cost what the early launch saved), and the backward
+    split into the other keys' block and the own one with the all-to-all between them (its
+    transfer beside the own block's kernels slowed them as much as it hid): docs/distributed.md.
 
     Every logit is computed once per pass, for both directions, as in the ring. Holds the gathered
     keys and, in the backward, their float32 gradient: ``M c (e + 4)`` bytes for ``e``-byte
-    features (``choose_algorithm`` caps it)."""
+    features (``choose_algorithm`` caps it); with the own block's backward in the forward, also
+    its float32 gradients, ``(b + m) c 4`` bytes, between the passes."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None):
+    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None,
+                grad=False):
+        from ds_infcl.loss.ring import own_backward_early
+
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
@@ -299,15 +222,17 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         row = col = pos = col_pos = payload = None
         # The local kernels, replayed from CUDA graphs where small shapes repeat. payload and pos
         # are read right away (the all-gather, the share): a replay may hand over its own
-        # buffers; row is kept for the backward, a copy.
+        # buffers; row is kept for the backward, a copy. The own block's statistics are its
+        # graph's buffers, read in place (static).
         if b and own is not None:  # the own block ran before the layout exchange (own_block_early)
             row, payload, pos = run_graphed(
-                "gather_rest", _gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m),
+                "gather_rest", gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m),
                 (query, key_all, s) + tuple(own), options=(symmetric, diagonal, tile_size, offset, m),
-                logits=b * (num_keys - m), backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2))
+                logits=b * (num_keys - m), backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2),
+                static=(3, 4, 5))
         elif b:
             row, payload, pos = run_graphed(
-                "gather_forward", _gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m),
+                "gather_forward", gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m),
                 (query, key_all, s, labels), options=(symmetric, diagonal, tile_size, offset, m),
                 logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2))
         elif symmetric:  # no queries here: an empty sum for every key (and a zero row term)
@@ -320,15 +245,25 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 col_pos = _positive_rows(col[offset: offset + m], labels, b)
         if not diagonal:
             loss = _share_and_sum(row, col_pos, pos, layout, group, query.device)
-        ctx.save_for_backward(query, key, labels, row, col, s, key_all)
         ctx.scale_shape = scale.shape
         ctx.options = (symmetric, backend, tile_size, layout, group)
+        ctx.own_early = own_backward_early(layout)  # (the same on every rank)
+        own_grads, ctx.own_token = (), None
+        if ctx.own_early and grad:  # the own block's backward for the unit weight (see the class doc)
+            if b:
+                own_grads, ctx.own_token = _own_backward(query, key, s, row, col, labels, layout, symmetric,
+                                                         backend, tile_size)
+            else:  # no queries: this rank's own block is empty
+                own_grads = (torch.zeros((0, query.shape[1]), device=query.device, dtype=_F32),
+                             torch.zeros(key.shape, device=key.device, dtype=_F32),
+                             torch.zeros((), device=s.device, dtype=_F32))
+        ctx.save_for_backward(query, key, labels, row, col, s, key_all, *own_grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the distributed InfoNCE")
-        query, key, labels, row, col, s, key_all = ctx.saved_tensors
+        query, key, labels, row, col, s, key_all, *own_grads = ctx.saved_tensors
         symmetric, backend, tile_size, layout, group = ctx.options
         b = query.shape[0]
         w = _weight(grad, layout, symmetric)
@@ -339,13 +274,20 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         elif symmetric:  # b_j from each key's owner (its own upstream weight), for all M keys
             grad_col_all = all_gather_rows(column_weights(w, labels, b, key.shape[0]),
                                            layout.key_sizes, group)
+        if ctx.own_early:
+            if not own_grads:  # (the forward ran without autograd: no backward can reach here)
+                raise RuntimeError("the distributed InfoNCE's forward kept no gradients; call it with "
+                                   "autograd enabled to differentiate it")
+            if b and not outputs_intact(ctx.own_token):  # a later call replayed the graph: again
+                own_grads, _ = _own_backward(query, key, s, row, col, labels, layout, symmetric, backend, tile_size)
+            return _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes, own_grads, grad)
         if b:
             # d(key_all) is only read by the reduce-scatter below (a new tensor; the current
             # stream waits for it): a replay may hand over its own buffer instead of a copy
             # (M c float32 bytes, 64 MB at 32k keys).
             offset = layout.key_offset()
             dq, dk_all, dscale = run_graphed(
-                "gather_backward", _gather_backward_fn(symmetric, backend, tile_size, offset, sizes),
+                "gather_backward", gather_backward_fn(symmetric, backend, tile_size, offset, sizes),
                 (query, key_all, s, row, col, w, grad_col_all, labels),
                 options=(symmetric, tile_size, offset, sizes), logits=b * layout.num_keys, backend=backend,
                 max_logits=GATHER_MAX_LOGITS, borrow=(1,))
@@ -356,7 +298,42 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
         del dk_all
         dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk.to(key.dtype), dscale, None, None, None, None, None, None, None
+        return dq, dk.to(key.dtype), dscale, None, None, None, None, None, None, None, None
+
+
+def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes, own_grads, grad):
+    """``GatherInfoNCEFunction.backward`` when the forward computed the own block's backward for
+    the unit weight (``own_grads``): the other ranks' keys' block for ``w``, its keys' gradient sent
+    to their owners by an all-to-all, and the own block's times the upstream gradient."""
+    symmetric, backend, tile_size, layout, group = ctx.options
+    b, m, num_keys = query.shape[0], key.shape[0], layout.num_keys
+    offset = layout.key_offset()
+    g = grad.detach().to(_F32)
+    dq_rest = ds_rest = None
+    if b and num_keys > m:
+        # d(other keys) is only read by the all-to-all, which this call waits for below, before
+        # any later replay: a replay may hand over its own buffer (M c float32 bytes).
+        dq_rest, dk_rest, ds_rest = run_graphed(
+            "gather_backward_rest", rest_backward_fn(symmetric, backend, tile_size, offset, m, sizes),
+            (query, key_all, s, row, col, w, grad_col_all), options=(symmetric, tile_size, offset, m, sizes),
+            logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1,))
+    else:  # zeros keep this rank in the all-to-all
+        dk_rest = torch.zeros((num_keys - m, key.shape[1]), device=key.device, dtype=_F32)
+    work, received = _send_key_gradients(dk_rest, layout, group)
+    # Each gradient in one kernel: the float32 sum written in the inputs' dtype (out=).
+    dq_own, dk_own, ds_own = own_grads
+    dq = torch.empty_like(query)
+    if dq_rest is None:
+        dq, dscale = torch.mul(dq_own, g, out=dq), ds_own * g
+    else:
+        dq, dscale = torch.addcmul(dq_rest, dq_own, g, out=dq), ds_rest.addcmul_(ds_own, g)
+    work.wait()  # (on CUDA: the current stream waits for the exchange, the host does not)
+    del dk_rest
+    if layout.world > 2:
+        received = received.view(layout.world - 1, m, key.shape[1]).sum(0)
+    dk = torch.addcmul(received, dk_own, g, out=torch.empty_like(key))
+    dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
+    return dq, dk, dscale, None, None, None, None, None, None, None, None
 
 
 class RingInfoNCEFunction(torch.autograd.Function):

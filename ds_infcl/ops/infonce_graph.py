@@ -27,8 +27,9 @@ How:
   caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream),
   so calls may interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
-- At most ``MAX_GRAPHS`` graphs are kept (4: the single-device loss takes one per shape, the gather
-  path two), for the first shapes that repeat; later shapes run eagerly (capturing again and again
+- At most ``MAX_GRAPHS`` graphs are kept (6: the single-device loss takes one per shape, the gather
+  path up to five: its forward (two with the early own block), the statistics' merge, and its
+  backward's two blocks), for the first shapes that repeat; later shapes run eagerly (capturing again and again
   would cost more than it saves). Each holds its static inputs and outputs and its memory pool:
   0.05 GiB more than the eager peak at 8,192 x 8,192, c = 512. ``clear_graphs()`` frees them.
 - Replays run on the current stream, like the eager kernels. Calls of one shape from several
@@ -46,8 +47,8 @@ import torch
 
 from ds_infcl.ops.validation import int_setting
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "clear_graphs", "CUDA_GRAPH", "MAX_LOGITS",
-           "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "clear_graphs", "CUDA_GRAPH",
+           "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
 def _check_mode(value: str) -> str:
@@ -59,7 +60,7 @@ def _check_mode(value: str) -> str:
 CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
 MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
 GATHER_MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
-MAX_GRAPHS = 4
+MAX_GRAPHS = 6
 
 _SEEN: "collections.Counter" = collections.Counter()
 _GRAPHS: dict = {}
@@ -160,9 +161,10 @@ class GraphedInfoNCE:
         return self.dq.clone(), self.dk.clone(), self.ds.clone()
 
 
-def _lookup(k, build, what: str):
+def _lookup(k, build, what: Callable[[], str]):
     """The cached graph of key ``k``, built by ``build()`` on the key's second sighting; ``None``
-    (run eagerly) before that, or when capturing it failed once."""
+    (run eagerly) before that, or when capturing it failed once. ``what()`` names it in the
+    warning (formatted only then: an f-string of the key on every call cost the host ~20 us)."""
     graphed = _GRAPHS.get(k)
     if graphed is not None:
         return graphed
@@ -177,7 +179,7 @@ def _lookup(k, build, what: str):
         graphed = build()
     except RuntimeError as e:  # e.g. a kernel this CUDA/driver cannot capture: eager for this shape
         _FAILED.add(k)
-        warnings.warn(f"ds_infcl: capturing {what} in a CUDA graph failed ({e}); this shape runs eagerly "
+        warnings.warn(f"ds_infcl: capturing {what()} in a CUDA graph failed ({e}); this shape runs eagerly "
                       "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", RuntimeWarning)
         return None
     _GRAPHS[k] = graphed
@@ -191,17 +193,21 @@ def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_
         return None
     k = _graph_key(query, key, scale, labels, symmetric, tile_size)
     return _lookup(k, lambda: GraphedInfoNCE(query, key, scale, labels, forward_fn, backward_fn),
-                   f"the InfoNCE of shape {k[:2]}")
+                   lambda: f"the InfoNCE of shape {k[:2]}")
 
 
 class GraphedCall:
     """``fn(*args)`` (tensors or ``None`` in, a tuple of tensors or ``None`` out) captured in one
     CUDA graph on static copies of its arguments; each call copies its arguments in, replays, and
-    clones the outputs (so the results outlive the next replay)."""
+    clones the outputs (so the results outlive the next replay). The arguments at the indices in
+    ``static`` are captured as they are, not copied: buffers that the caller passes again and again
+    (another graph's borrowed outputs); a call copies into them only when it gets other tensors.
+    ``fn`` must not write into its arguments."""
 
-    def __init__(self, fn, args):
+    def __init__(self, fn, args, static=()):
         dev = next(a.device for a in args if a is not None)
-        self.args = [None if a is None else a.detach().clone() for a in args]
+        self.args = [None if a is None else (a.detach() if i in static else a.detach().clone())
+                     for i, a in enumerate(args)]
         _warm_up(dev, lambda: fn(*self.args))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
@@ -210,7 +216,7 @@ class GraphedCall:
 
     def __call__(self, *args, borrow=()):
         for dst, src in zip(self.args, args):
-            if dst is not None:
+            if dst is not None and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         self.graph.replay()
         self.replays += 1
@@ -218,16 +224,30 @@ class GraphedCall:
 
 
 def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_logits: Optional[int] = None,
-                borrow=()):
+                borrow=(), static=(), token: bool = False):
     """``fn(*args)``, replayed from a CUDA graph where the shapes repeat (the rules of the module
     doc, ``logits`` standing for ``b m``, at most ``max_logits`` under ``auto``, default
     ``MAX_LOGITS``); ``tag`` and ``options`` (hashable) name the computation. The outputs whose
     indices are in ``borrow`` come back as the graph's own buffers, not copies: the caller must be
     done with them (stream-ordered, on the current stream) before the next call of this
-    computation. Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its
-    local kernels, between its collectives."""
-    if not _eligible(next(a for a in args if a is not None), backend, logits, max_logits):
-        return fn(*args)
-    k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
-    graphed = _lookup(k, lambda: GraphedCall(fn, args), f"{tag} {k[2:]}")
-    return fn(*args) if graphed is None else graphed(*args, borrow=borrow)
+    computation. The arguments whose indices are in ``static`` are buffers the caller passes
+    again and again (another computation's borrowed outputs): the graph reads them in place
+    (``GraphedCall``). With ``token``, returns ``(outputs, token)``: ``outputs_intact(token)`` tells
+    later whether borrowed outputs still hold this call's values (no replay of the graph since).
+    Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its local kernels,
+    between its collectives."""
+    graphed = None
+    if _eligible(next(a for a in args if a is not None), backend, logits, max_logits):
+        k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
+        graphed = _lookup(k, lambda: GraphedCall(fn, args, static), lambda: f"{tag} {k[2:]}")
+    out = fn(*args) if graphed is None else graphed(*args, borrow=borrow)
+    if not token:
+        return out
+    return out, (None if graphed is None else (graphed, graphed.replays))
+
+
+def outputs_intact(token) -> bool:
+    """Whether the borrowed outputs of the ``run_graphed(token=True)`` call that returned ``token``
+    still hold its values: eager outputs always do; a graph's, until its next replay."""
+    return token is None or token[0].replays == token[1]
+

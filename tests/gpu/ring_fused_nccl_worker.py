@@ -3,7 +3,8 @@ distributed InfoNCE (``ds_infcl.loss.ring_fused``) on NCCL with the Triton backe
 algorithms, ``labels=None`` (the diagonal shortcut, no positive-key gather) against explicit
 ``labels = arange(b)`` and the float64 reference of the global batch; unequal per-rank sizes,
 one key per query and two (the shortcut's slice); the gather path also with its own block computed
-before the layout exchange (``own_block_early``). Then the gather path with its local kernels
+before the layout exchange (``own_block_early``) and with its own block's backward run in the
+backward instead of the forward (``own_backward_early``). Then the gather path with its local kernels
 replayed from CUDA graphs (``ds_infcl.ops.infonce_graph.run_graphed``: the second call of a shape
 captures, the third replays) against the same calls run eagerly. Exit status 1 on any failure."""
 
@@ -27,11 +28,15 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     q = torch.nn.functional.normalize(torch.randn(sum(sizes), 256, generator=g), dim=1).to(device, dtype)
     k = torch.nn.functional.normalize(torch.randn(sum(key_sizes), 256, generator=g), dim=1).to(device, dtype)
     qs, ks = sum(sizes[:rank]), sum(key_sizes[:rank])
+    import ds_infcl.loss.ring as ring_mod
     import ds_infcl.loss.ring_fused as fused
 
-    # "gather-early": the gather path with its own block computed before the layout exchange.
+    # "gather-early": the gather path with its own block computed before the layout exchange;
+    # "gather-late": with its own block's backward run in the backward (else in the forward).
     early_min, fused.EARLY_MIN_LOGITS = fused.EARLY_MIN_LOGITS, (1 if algorithm == "gather-early" else 1 << 62)
-    os.environ["DS_INFCL_ALGORITHM"] = algorithm.replace("-early", "")
+    own_min = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS
+    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 1 << 62 if algorithm == "gather-late" else 0
+    os.environ["DS_INFCL_ALGORITHM"] = algorithm.split("-")[0]
     out = {}
     for mode in ("none", "arange"):
         ql = q[qs:qs + sizes[rank]].clone().requires_grad_(True)
@@ -44,7 +49,7 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
         dist.all_reduce(ds)
         out[mode] = (loss.detach(), ql.grad / world, kl.grad / world, ds / world)
     os.environ.pop("DS_INFCL_ALGORITHM")
-    fused.EARLY_MIN_LOGITS = early_min
+    fused.EARLY_MIN_LOGITS, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = early_min, own_min
     glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(sizes)]).to(device)
     qr, kr = q.double().requires_grad_(True), k.double().requires_grad_(True)
     sr = torch.tensor(14.3, dtype=torch.float64, device=device, requires_grad=True)
@@ -61,17 +66,20 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     return max(loss_errs), max(errs), same
 
 
-def graph_check(rank, world, device, early):
+def graph_check(rank, world, device, early, own_early):
     """(largest relative difference graphed vs eager, bitwise equal, graphs kept, replays) of three
     calls per label mode of the gather path, with new inputs each call."""
+    import ds_infcl.loss.ring as ring_mod
     import ds_infcl.loss.ring_fused as fused
     from ds_infcl.ops import infonce_graph as ig
+
+    own_min, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0 if own_early else 1 << 62
 
     b = 700 + 1111 * rank
     os.environ["DS_INFCL_ALGORITHM"] = "gather"
     # early: the own block computed before the layout exchange (``own_block_early``), at any size.
     fused.EARLY_MIN_LOGITS, early_min = (1 if early else 1 << 62), fused.EARLY_MIN_LOGITS
-    ig.MAX_GRAPHS, max_graphs = 10, ig.MAX_GRAPHS  # both label modes' graphs stay (8 with early)
+    ig.MAX_GRAPHS, max_graphs = 12, ig.MAX_GRAPHS  # both label modes' graphs stay (10 with early)
 
     def call(seed, explicit):
         g = torch.Generator().manual_seed(1000 * seed + rank)
@@ -94,6 +102,7 @@ def graph_check(rank, world, device, early):
     ig.clear_graphs()
     ig.CUDA_GRAPH = "auto"
     fused.EARLY_MIN_LOGITS, ig.MAX_GRAPHS = early_min, max_graphs
+    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
     os.environ.pop("DS_INFCL_ALGORITHM")
 
     def rel(a, b):
@@ -101,6 +110,46 @@ def graph_check(rank, world, device, early):
 
     pairs = [(x, y) for got, want in zip(results["auto"], results["0"]) for x, y in zip(got, want)]
     return max(rel(x, y) for x, y in pairs), all(torch.equal(x, y) for x, y in pairs), kept, replays
+
+
+def interleaved_check(rank, world, device):
+    """Largest relative difference, graphs against eager, of two forwards followed by their two
+    backwards (the second forward replays the graphs whose buffers the first backward needs: the
+    own block's backward kept from the forward is computed again, ``outputs_intact``)."""
+    from ds_infcl.ops import infonce_graph as ig
+
+    import ds_infcl.loss.ring as ring_mod
+
+    b = 700 + 1111 * rank
+    os.environ["DS_INFCL_ALGORITHM"] = "gather"
+    ig.MAX_GRAPHS, max_graphs = 12, ig.MAX_GRAPHS
+    own_min, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(100 * seed + rank)
+        q = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
+        k = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
+        return q.requires_grad_(True), k.requires_grad_(True)
+
+    results = {}
+    for mode in ("0", "auto"):
+        ig.clear_graphs()
+        ig.CUDA_GRAPH = mode
+        for seed in range(3):  # the shapes' graphs captured and replayed once
+            q, k = inputs(seed)
+            contrastive_loss(q, k, 14.3, symmetric=True, backend="triton", check_finite=False).backward()
+        (q1, k1), (q2, k2) = inputs(10), inputs(11)
+        loss1 = contrastive_loss(q1, k1, 14.3, symmetric=True, backend="triton", check_finite=False)
+        loss2 = contrastive_loss(q2, k2, 14.3, symmetric=True, backend="triton", check_finite=False)
+        loss1.backward()
+        loss2.backward()
+        results[mode] = [loss1.detach(), q1.grad, k1.grad, loss2.detach(), q2.grad, k2.grad]
+    ig.clear_graphs()
+    ig.CUDA_GRAPH, ig.MAX_GRAPHS = "auto", max_graphs
+    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
+    os.environ.pop("DS_INFCL_ALGORITHM")
+    return max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item()
+               for x, y in zip(results["auto"], results["0"]))
 
 
 def main():
@@ -111,7 +160,7 @@ def main():
     failed, seed = 0, 0
     for dtype in (torch.bfloat16, torch.float32):
         for symmetric, kpq in ((True, 1), (True, 2), (False, 2)):
-            for algorithm in ("gather", "gather-early", "ring"):
+            for algorithm in ("gather", "gather-early", "gather-late", "ring"):
                 seed += 1
                 errs = run(rank, world, device, dtype, symmetric, kpq, algorithm, seed)
                 errs = torch.tensor(errs, device=device)
@@ -124,11 +173,12 @@ def main():
                     print(f"{'ok  ' if ok else 'FAIL'} W={world} {dtype} {'sym' if symmetric else 'one'} "
                           f"keys/query={kpq} {algorithm}: rel err loss {errs[0]:.2e} grads {errs[1]:.2e}, "
                           f"labels None vs arange {errs[2]:.2e}", flush=True)
-    for early in (False, True):
-        diff, bitwise, kept, replays = graph_check(rank, world, device, early)
+    for early, own_early in ((False, True), (True, True), (False, False)):
+        diff, bitwise, kept, replays = graph_check(rank, world, device, early, own_early)
         # Per label mode: the forward (with early: the own block and the rest), the statistics'
-        # merge and the backward, each replayed at least twice.
-        want = 8 if early else 6
+        # merge and the backward (with own_early: its two blocks, the own in the forward, the other
+        # ranks' keys), each replayed at least twice.
+        want = 2 * (3 + early + own_early)
         stats = torch.tensor([diff, float(not bitwise), float(kept != want or min(replays) < 2)], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         # The same kernels on the same inputs: equal up to a product that cuBLAS schedules differently
@@ -136,9 +186,17 @@ def main():
         ok = stats[0] <= 2e-3 and stats[2] == 0
         failed += not bool(ok)
         if rank == 0:
-            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''} "
+            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''}"
+                  f"{' (own backward in the forward)' if own_early else ''} "
                   f"replayed from CUDA graphs: graphs kept {kept} (want {want}), replays {replays}, largest "
                   f"rel diff to eager {stats[0]:.2e}, bitwise on every rank: {not bool(stats[1])}", flush=True)
+    diff = torch.tensor([interleaved_check(rank, world, device)], device=device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    ok = diff.item() <= 2e-3
+    failed += not ok
+    if rank == 0:
+        print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path, two forwards then their backwards, graphs "
+              f"against eager: largest rel diff {diff.item():.2e}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

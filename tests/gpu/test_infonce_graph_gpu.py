@@ -148,3 +148,32 @@ def test_run_graphed_limits_and_borrowed_outputs(monkeypatch):
     assert outs[2][0].data_ptr() != outs[3][0].data_ptr()
     torch.testing.assert_close(outs[2][0], (x + 2) * 2.0, rtol=0, atol=0)  # not overwritten by call 4
     ig.clear_graphs()
+
+
+def test_run_graphed_static_arguments(monkeypatch):
+    """``run_graphed(static=...)``: a graph fed by another graph's borrowed output reads that buffer
+    in place (captured on it, no copy); given another tensor, it copies it in and stays right."""
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "1")
+    x = torch.randn(64, 8, device="cuda")
+
+    def produce(a):
+        return (a * 2.0,)
+
+    def consume(p, a):
+        return (p + a,)
+
+    for i in range(4):
+        y = x + i
+        (p,) = ig.run_graphed("producer", produce, (y,), options=(), logits=1, backend="triton", borrow=(0,))
+        (out,) = ig.run_graphed("consumer", consume, (p, y), options=(), logits=1, backend="triton", static=(0,))
+        torch.testing.assert_close(out, y * 3.0, rtol=0, atol=0)
+    consumer = next(g for k, g in ig._GRAPHS.items() if k[0] == "consumer")
+    producer = next(g for k, g in ig._GRAPHS.items() if k[0] == "producer")
+    assert consumer.args[0].data_ptr() == producer.out[0].data_ptr()  # the producer's buffer, in place
+    assert consumer.args[1].data_ptr() != y.data_ptr()  # the other argument: a static copy
+    # another tensor in the static place (e.g. the producer ran eagerly): copied in, right result
+    z = torch.randn(64, 8, device="cuda")
+    (out,) = ig.run_graphed("consumer", consume, (z, x), options=(), logits=1, backend="triton", static=(0,))
+    torch.testing.assert_close(out, z + x, rtol=0, atol=0)
+    ig.clear_graphs()

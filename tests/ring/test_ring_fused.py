@@ -28,10 +28,15 @@ def _cases():
     # ("0"); the gather path with its own block computed before the layout exchange (early) and
     # not; and the early block computed, then dropped because the layout picks the ring (auto with
     # a gather-bytes cap of 0).
-    variants = (("gather", "gather", "auto", False), ("gather", "gather", "auto", True),
-                ("ring", "ring", "1", False), ("ring", "ring", "0", False), ("ring", "auto", "auto", True))
-    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, pin=pin, overlap=ov, early=early)
-            for sizes, hard in LAYOUTS for sym in (True, False) for alg, pin, ov, early in variants]
+    # The gather path also with its own block's backward run in the backward (else in the forward).
+    variants = (("gather", "gather", "auto", False, True), ("gather", "gather", "auto", True, True),
+                ("gather", "gather", "auto", False, False),
+                ("ring", "ring", "1", False, True), ("ring", "ring", "0", False, True),
+                ("ring", "auto", "auto", True, True))
+    return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, pin=pin, overlap=ov, early=early,
+                 own_early=own_early)
+            for sizes, hard in LAYOUTS for sym in (True, False)
+            for alg, pin, ov, early, own_early in variants]
 
 
 def _data(case, seed):
@@ -89,6 +94,7 @@ def _worker(rank, world, cases):
         ring_mod.RING_OVERLAP = case["overlap"]
         fused_mod.EARLY_MIN_LOGITS = 1 if case["early"] else 1 << 62
         ring_mod.GATHER_MAX_BYTES = 0 if case["pin"] == "auto" else max_bytes
+        ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
         for mode in ("none", "arange"):
             os.environ["DS_INFCL_ALGORITHM"] = case["pin"]
             early_blocks.clear()
@@ -100,11 +106,13 @@ def _worker(rank, world, cases):
             loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
                                     backend="torch", tile_size=4)
             names = _graph_names(loss.grad_fn)
+            own_early = getattr(loss.grad_fn, "own_early", False)  # (the Function's ctx)
             forward_all_reduces = len(all_reduces)
             loss.backward()
             assert last_algorithm() == case["algorithm"]
             res[mode] = dict(loss=loss.item(), dq=q.grad, dk=k.grad, ds=s.grad.item(), graph=names,
-                             all_reduces=forward_all_reduces, early=early_blocks == [True])
+                             all_reduces=forward_all_reduces, early=early_blocks == [True],
+                             own_early=own_early)
         os.environ.pop("DS_INFCL_ALGORITHM", None)
         out.append(res)
     return out
@@ -126,6 +134,7 @@ def test_diagonal_shortcut_matches_general_path_and_reference():
             for r, o in enumerate(outs):
                 assert abs(o["loss"] - ref.item()) <= 2e-6 * max(1.0, abs(ref.item())), (what, r)
                 assert o["early"] == (case["early"] and case["sizes"][r] > 0), (what, r)
+                assert o["own_early"] == (case["algorithm"] == "gather" and case["own_early"]), (what, r)
                 # One Function: no index node for the positive keys (gathered inside, or not at all
                 # on the diagonal) and no zero-weighted pairing terms' products and sums.
                 assert "IndexBackward0" not in o["graph"], (what, r, o["graph"])
@@ -148,3 +157,60 @@ def test_diagonal_shortcut_matches_general_path_and_reference():
             for name in ("dq", "dk"):
                 assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), (case, r, name)
             assert a["ds"] == pytest.approx(b["ds"], rel=1e-5, abs=1e-7), (case, r)
+
+
+def _upstream_worker(rank, world, cases):
+    """Per case: the gradients of the loss backpropagated with this rank's upstream gradient
+    ``g[rank]``, the gather path with its own block's backward in the forward and in the backward."""
+    import ds_infcl.loss.ring as ring_mod
+    from ds_infcl.loss import contrastive_loss
+
+    os.environ["DS_INFCL_ALGORITHM"] = "gather"
+    out = []
+    for seed, case in enumerate(cases):
+        q_all, k_all, key_sizes = _data(case, seed)
+        q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
+        res = {}
+        for own_early in (True, False):
+            ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if own_early else 1 << 62
+            q = q_all[q0:q0 + case["sizes"][rank]].clone().requires_grad_(True)
+            k = k_all[k0:k0 + key_sizes[rank]].clone().requires_grad_(True)
+            s = torch.tensor(SCALE, requires_grad=True)
+            labels = torch.arange(q.shape[0]) if case["arange"] else None
+            loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
+                                    backend="torch", tile_size=4)
+            (loss * case["g"][rank]).backward()
+            res[own_early] = dict(dq=q.grad, dk=k.grad, ds=s.grad.item(), own_early=loss.grad_fn.own_early)
+        out.append(res)
+    os.environ.pop("DS_INFCL_ALGORITHM")
+    return out
+
+
+def test_own_block_backward_in_forward_follows_each_ranks_upstream_gradient():
+    """The gather path's own block, differentiated in the forward for the unit weight and scaled
+    by the upstream gradient in the backward, gives the gradients of the backward computed whole:
+    for one upstream gradient on every rank (then the reference's times g) and for a different
+    one per rank (the own block's weights are all its rank's own); unequal sizes, a rank without
+    queries, hard negatives."""
+    cases = [dict(sizes=sizes, hard=hard, symmetric=sym, arange=arange, g=g)
+             for sizes, hard in (([3, 7], 1), ([0, 5], 1), ([4, 2], 2)) for sym in (True, False)
+             for arange in (False, True) for g in ((0.37, 0.37), (0.5, 2.0))]
+    results = spawn(_upstream_worker, 2, cases, timeout=120)
+    for seed, case in enumerate(cases):
+        for r in range(2):
+            on, off = results[r][seed][True], results[r][seed][False]
+            assert on["own_early"] and not off["own_early"], case
+            for name in ("dq", "dk"):  # the sums in another order: float32 rounding apart
+                atol = 1e-6 * (off[name].abs().max().item() if off[name].numel() else 0.0)
+                assert torch.allclose(on[name], off[name], rtol=0, atol=atol), (case, r, name)
+            assert on["ds"] == pytest.approx(off["ds"], rel=1e-6, abs=1e-7), (case, r)
+        if case["g"][0] == case["g"][1]:  # against the fp64 reference times g (rank r: W g dL/dF_r)
+            q, k, key_sizes = _data(case, seed)
+            qd, kd = q.double().requires_grad_(True), k.double().requires_grad_(True)
+            sd = torch.tensor(SCALE, dtype=torch.float64, requires_grad=True)
+            glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(case["sizes"])])
+            (contrastive_loss_reference(qd, kd, sd, glabels, symmetric=case["symmetric"]) * case["g"][0]).backward()
+            dq = torch.cat([results[r][seed][True]["dq"] for r in range(2)]).double() / 2
+            dk = torch.cat([results[r][seed][True]["dk"] for r in range(2)]).double() / 2
+            assert torch.allclose(dq, qd.grad, rtol=0, atol=2e-5 * qd.grad.abs().max().item()), case
+            assert torch.allclose(dk, kd.grad, rtol=0, atol=2e-5 * kd.grad.abs().max().item()), case

@@ -1,0 +1,211 @@
+"""The gather path's local computations (``ds_infcl.loss.ring_fused.GatherInfoNCEFunction``) as
+functions of tensors only: what its CUDA graphs capture (``ds_infcl.ops.infonce_graph.run_graphed``),
+with every collective left to the Function between them. A rank holds its ``b`` queries ``Q_r``,
+its ``m`` keys ``K_r`` (rows ``[offset, offset + m)`` of the gathered ``K_all`` ``[M, c]``) and
+its labels (local key indices, ``None``: the diagonal).
+
+- forward: ``gather_forward_fn`` (``Q_r`` against ``K_all``) or, when the own block ran before the
+  layout exchange, ``own_block_fn`` then ``gather_rest_fn`` (the other ranks' keys, merged);
+  ``forward_outputs`` forms what goes to the statistics' all-gather; ``merge_fn`` merges what
+  comes back (``lse_over_ranks``);
+- backward: ``gather_backward_fn`` (``Q_r`` against ``K_all`` at once) or ``own_backward_fn``
+  (the own block, in the forward, for the unit weight) and ``rest_backward_fn`` (the other ranks'
+  keys, ``other_ranges``); ``diagonal_column_weights`` forms the keys' column weights from every
+  rank's weight when no rank passed labels.
+
+The maths: ``ds_infcl.loss.ring_fused``'s module doc and DESIGN.md section 2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
+from ds_infcl.ops.infonce import column_weights
+
+__all__ = [
+    "lse_over_ranks", "merge_fn", "diagonal_column_weights", "gather_forward_fn", "forward_outputs", "own_block_fn",
+    "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "other_ranges", "rest_backward_fn",
+]
+
+
+def lse_over_ranks(parts: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp over dim 0 of ``[W, n]``: one kernel for ``W <= 2`` (``torch.logsumexp`` is
+    several: its maximum, the shift, the exponentials, the sum, the logarithm)."""
+    if parts.shape[0] == 1:
+        return parts[0]
+    if parts.shape[0] == 2:
+        return torch.logaddexp(parts[0], parts[1])
+    return torch.logsumexp(parts, dim=0)
+
+
+def merge_fn(m: int, diagonal_spans, factor: Optional[float]):
+    """The statistics' merge as a function of the gathered payloads ``parts [W, ...]`` (what a
+    graph captures): the global column LSE ``[M]`` from each rank's partial one over its own
+    queries (the first ``m`` floats of each row). With ``factor`` (the symmetric loss when no rank
+    passed labels, without an all-reduce) also the loss: each row ends with its rank's row term
+    ``sum_i (row_i - 2 pos_i)``, and the column term ``sum_i col_{offset_r + i}`` over every rank's
+    queries is known to all once ``col`` is (query ``i`` of rank ``r`` is paired with key
+    ``offset_r + i``; ``diagonal_spans``: those keys' ranges, ``None`` when they are all keys)."""
+
+    def merge(parts):
+        col = lse_over_ranks(parts[:, :m])
+        if factor is None:
+            return col, None
+        if diagonal_spans is None:  # every key is some query's positive (CLIP)
+            cols = col.sum()
+        else:
+            cols = torch.cat([col[lo:hi] for lo, hi in diagonal_spans]).sum()
+        return col, (parts[:, m].sum() + cols) * factor
+
+    return merge
+
+
+def diagonal_column_weights(w_all: torch.Tensor, query_sizes, key_sizes) -> torch.Tensor:
+    """``[M]`` upstream weights of the keys' column LSE when no rank passed labels: ``w`` of rank
+    ``r`` (``w_all[r]``) for each of its first ``b_r`` keys, 0 for its keys beyond its queries
+    (``column_weights`` of every rank, concatenated)."""
+    if query_sizes == key_sizes and len(set(key_sizes)) == 1:
+        return w_all.view(-1, 1).expand(-1, key_sizes[0]).reshape(-1)
+    pieces = []
+    for r, (b, m) in enumerate(zip(query_sizes, key_sizes)):
+        pieces.append(w_all[r].expand(b))
+        if m > b:
+            pieces.append(w_all.new_zeros((m - b,)))
+    return torch.cat(pieces)
+
+
+def gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
+    """The gather path's local forward kernels as a function of tensors (what a graph captures):
+    ``(row [b], payload, positive logits [b] or None)``. The payload goes to the all-gather of the
+    column statistics: the partial column statistics ``[M]`` (symmetric), followed by this rank's
+    row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``merge_fn``; ``pos`` is
+    then not returned). This rank's keys are rows ``[offset, offset + m)`` of ``key_all``."""
+
+    def forward(query, key_all, s, labels):
+        row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
+                                    tile_size=tile_size)
+        pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, backend=backend,
+                                      tile_size=tile_size)
+        return forward_outputs(row, col_part, pos, diagonal)
+
+    return forward
+
+
+def forward_outputs(row, col_part, pos, diagonal):
+    """The local forward's ``(row, payload, pos)`` from its statistics: the payload is the partial
+    column statistics (``None`` one-directional); with ``diagonal`` (symmetric, no labels on any
+    rank) this rank's row term ``sum_i (row_i - 2 pos_i)`` ends it and ``pos`` is not returned."""
+    if diagonal:
+        return row, torch.cat([col_part, row.sub(pos, alpha=2.0).sum().reshape(1)]), None
+    return row, col_part, pos
+
+
+def own_block_fn(symmetric, backend, tile_size):
+    """This rank's queries against its own keys, the block that needs no other rank's data:
+    ``(row [b], partial column statistics [m] or None, positive logits [b])`` (what a graph
+    captures; see ``GatherInfoNCEFunction``'s ``own``)."""
+
+    def own(query, key, s, labels):
+        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
+        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        return row, col, pos
+
+    return own
+
+
+def gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
+    """The gather path's local forward when the own block ran early (``own_block_fn``): the
+    queries against the other ranks' keys (rows ``[0, offset)`` and ``[offset + m, M)`` of
+    ``key_all``), merged with the own block's statistics into the outputs of ``gather_forward_fn``."""
+
+    def forward(query, key_all, s, row_own, col_own, pos):
+        row, cols = row_own, []
+        for lo, hi in ((0, offset), (offset + m, key_all.shape[0])):
+            if lo == hi:
+                continue
+            row_t, col_t = lse_forward(query, key_all[lo:hi], s, compute_col=symmetric, backend=backend,
+                                       tile_size=tile_size)
+            row = torch.logaddexp(row, row_t)
+            cols.append(col_t)
+        col_part = None
+        if symmetric:
+            cols.insert(1 if offset else 0, col_own)
+            col_part = torch.cat(cols)
+        return forward_outputs(row, col_part, pos, diagonal)
+
+    return forward
+
+
+def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=None):
+    """The gather path's local backward: ``(dq in the queries' dtype, d key_all float32, dscale
+    float32)`` for the upstream weight ``w`` (0-dim) of every LSE term and ``-w`` per direction for
+    each positive logit. Query i's positive is key ``offset + l_i`` of ``key_all`` (``offset + i``
+    for ``labels=None``). ``grad_col`` is the keys' column weights ``[M]``, or, with
+    ``diagonal_sizes = (query sizes, key sizes)`` (no rank passed labels), every rank's ``w``
+    ``[W]``, from which they are formed here (``diagonal_column_weights``)."""
+
+    def backward(query, key_all, s, row, col, w, grad_col, labels):
+        b = query.shape[0]
+        if diagonal_sizes is not None:
+            grad_col = diagonal_column_weights(grad_col, *diagonal_sizes)
+        if labels is not None:
+            labels = labels + offset if offset else labels
+        elif offset:
+            labels = torch.arange(offset, offset + b, device=query.device)
+        dq, dk_all, dscale = lse_backward(
+            query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
+            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend, tile_size=tile_size)
+        return dq.to(query.dtype), dk_all, dscale
+
+    return backward
+
+
+def own_backward_fn(symmetric, backend, tile_size):
+    """The backward of the own block (this rank's queries against its own keys, which hold every
+    positive) for the weight ``w`` (0-dim) of this rank's LSE terms: ``(dq float32, d key float32
+    [m, c], dscale float32)``. Every weight in this block is this rank's own: its row terms', its
+    positives' and its keys' column weights (``column_weights``), so the block computed in the
+    forward for the unit weight, times the upstream gradient ``g``, is exact whatever the other
+    ranks' ``g`` (``GatherInfoNCEFunction``)."""
+
+    def backward(query, key, s, row, col, w, labels):
+        b, m = query.shape[0], key.shape[0]
+        grad_col = column_weights(w, labels, b, m) if symmetric else None
+        return lse_backward(query, key, s, row, col, w.expand(b), grad_col, labels=labels,
+                            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
+                            tile_size=tile_size)
+
+    return backward
+
+
+def other_ranges(offset: int, m: int, num_keys: int):
+    """The rows of the gathered keys owned by the other ranks, ``[0, offset)`` and
+    ``[offset + m, M)`` (the empty ones left out), in rank order."""
+    return tuple((lo, hi) for lo, hi in ((0, offset), (offset + m, num_keys)) if lo < hi)
+
+
+def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=None):
+    """The backward over the other ranks' keys (no positive lives there): ``(dq float32, d(other
+    keys) float32 [M - m, c] in rank order, dscale float32)`` for the weight ``w`` (0-dim) of this
+    rank's LSE terms and the keys' column weights ``grad_col`` ``[M]``, or, with
+    ``diagonal_sizes`` (no rank passed labels), every rank's ``w`` ``[W]`` from which they are
+    formed (``diagonal_column_weights``)."""
+
+    def backward(query, key_all, s, row, col, w, grad_col):
+        b = query.shape[0]
+        if diagonal_sizes is not None:
+            grad_col = diagonal_column_weights(grad_col, *diagonal_sizes)
+        dq = dscale = None
+        dks = []
+        for lo, hi in other_ranges(offset, m, key_all.shape[0]):
+            dq_t, dk_t, ds_t = lse_backward(
+                query, key_all[lo:hi], s, row, col[lo:hi] if symmetric else None, w.expand(b),
+                grad_col[lo:hi] if symmetric else None, backend=backend, tile_size=tile_size)
+            dq, dscale = (dq_t, ds_t) if dq is None else (dq.add_(dq_t), dscale + ds_t)
+            dks.append(dk_t)
+        return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), dscale
+
+    return backward
