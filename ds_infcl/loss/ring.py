@@ -49,7 +49,7 @@ import torch
 
 from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
-from ds_infcl.ops.validation import int_setting
+from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -76,21 +76,16 @@ _F32 = torch.float32
 # 8,192 (4.9 vs 5.3 ms). A hop moves b c values against b^2 c of block work, so the share of the
 # transfer falls with the rows only: "auto" overlaps while the largest block has at most
 # RING_OVERLAP_MAX_ROWS rows. DS_INFCL_RING_OVERLAP=1 / 0 pins it.
-def _check_overlap_setting(value: str) -> str:
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got {value!r}")
-    return value
-
-
+_OVERLAP_CHOICES = ("auto", "1", "0")
 # Checked at import: a bad value stops the process before any collective.
-RING_OVERLAP = _check_overlap_setting(os.environ.get("DS_INFCL_RING_OVERLAP", "auto"))
+RING_OVERLAP = choice_setting("DS_INFCL_RING_OVERLAP", "auto", _OVERLAP_CHOICES)
 RING_OVERLAP_MAX_ROWS = int_setting("DS_INFCL_RING_OVERLAP_MAX_ROWS", 12288, minimum=0)
 
 
 def overlap_exchange(layout: RingLayout) -> bool:
     """Whether the ring posts each hop's exchange before the block's kernels (overlapped) or after
     them; the same on every rank (a function of the layout)."""
-    if _check_overlap_setting(RING_OVERLAP) == "auto":
+    if check_choice("DS_INFCL_RING_OVERLAP", RING_OVERLAP, _OVERLAP_CHOICES) == "auto":
         return max(max(layout.key_sizes), max(layout.query_sizes)) <= RING_OVERLAP_MAX_ROWS
     return RING_OVERLAP == "1"
 

@@ -39,25 +39,19 @@ How:
 from __future__ import annotations
 
 import collections
-import os
 import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.validation import int_setting
+from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
 
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "clear_graphs", "CUDA_GRAPH",
            "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
-def _check_mode(value: str) -> str:
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"DS_INFCL_CUDA_GRAPH must be auto, 1 or 0, got {value!r}")
-    return value
-
-
-CUDA_GRAPH = _check_mode(os.environ.get("DS_INFCL_CUDA_GRAPH", "auto"))  # checked at import
+_MODES = ("auto", "1", "0")
+CUDA_GRAPH = choice_setting("DS_INFCL_CUDA_GRAPH", "auto", _MODES)  # checked at import
 MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
 GATHER_MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
 MAX_GRAPHS = 6
@@ -77,7 +71,7 @@ def clear_graphs() -> None:
 def _eligible(tensor: torch.Tensor, backend: str, logits: int, max_logits: Optional[int] = None) -> bool:
     """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph
     (under ``auto``: ``logits <= max_logits``, default ``MAX_LOGITS``)."""
-    mode = _check_mode(CUDA_GRAPH)
+    mode = check_choice("DS_INFCL_CUDA_GRAPH", CUDA_GRAPH, _MODES)
     if mode == "0" or backend != "triton" or not tensor.is_cuda or tensor.device.index != torch.cuda.current_device():
         return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():

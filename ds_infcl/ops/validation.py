@@ -8,7 +8,7 @@ local check result so that a bad input on one rank raises on every rank instead 
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -221,6 +221,21 @@ def int_setting(name: str, default: int, minimum: int = 1) -> int:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {kind}, got {text!r}")
     return value
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ``ValueError`` naming the setting ``name`` and
+    what it takes (also for a module attribute set after the import, where the setting is read
+    again at call time)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+    return value
+
+
+def choice_setting(name: str, default: str, choices: Sequence[str]) -> str:
+    """The environment setting ``name`` (``default`` when unset), one of ``choices``; read where a
+    module is imported, so that a bad value stops the process before any work."""
+    return check_choice(name, os.environ.get(name, default), choices)
 
 
 def flag_setting(name: str, default: bool) -> bool:

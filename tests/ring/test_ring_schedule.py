@@ -192,3 +192,15 @@ def test_a_bad_overlap_setting_stops_the_import(monkeypatch):
     fingerprint = ring_mod.algorithm_settings()
     monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0" if ring_mod.RING_OVERLAP != "0" else "1")
     assert ring_mod.algorithm_settings() != fingerprint
+
+
+def test_a_bad_overlap_value_set_after_the_import_stops_the_call(monkeypatch):
+    """RING_OVERLAP set on the module after the import (a script's switch) is checked again where
+    it is read, with the same message."""
+    layout = RingLayout(world=2, rank=0, query_sizes=(4, 4), key_sizes=(4, 4), feature_dim=8, send_to=1,
+                        recv_from=1)
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "on")
+    with pytest.raises(ValueError, match="DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got 'on'"):
+        ring_mod.overlap_exchange(layout)
+    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0")
+    assert ring_mod.overlap_exchange(layout) is False
