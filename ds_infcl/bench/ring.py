@@ -13,7 +13,8 @@ forward and backward (``check_finite=False``). Reported per point, over the rank
 - ``ms``: median time of a step (CUDA events), the slowest rank;
 - ``extra_gib``: peak CUDA memory beyond the inputs and their preallocated gradients, from after
   the first step over the rest of the warm-up and one timed step (so the buffers of CUDA graphs
-  captured in the warm-up count), the largest rank;
+  captured in the warm-up count), the largest rank; with ``--paired``, over each
+  implementation's own warm-up;
 - ``tflops``: ``8 * b * B * c`` FLOPs per GPU (the work of its share: one forward tile GEMM and
   three backward GEMMs over its ``b`` queries against all ``B`` keys) per second;
 - ``weak_eff`` (``infcl``): the single-GPU time of the same loss on the global batch ``W * b``
@@ -161,6 +162,27 @@ def _warm_up(step, group, args, after_first=None) -> None:
             break
 
 
+def _memory_probe():
+    """``(start, extra_gib)``: ``start()`` (a warm-up's ``after_first``) takes the allocated bytes
+    as the base and resets the peak; ``extra_gib()`` is the peak beyond that base since, in GiB
+    (NaN off CUDA). From after the first step (it compiles), over the rest of the warm-up and
+    what follows: CUDA graphs captured on a later step hold their buffers from then on, so they
+    count, as in bench.loss."""
+    base = [0]
+
+    def start():
+        if _DEVICE == "cuda":
+            base[0] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def extra_gib():
+        if _DEVICE != "cuda":
+            return float("nan")
+        return (torch.cuda.max_memory_allocated() - base[0]) / 2**30
+
+    return start, extra_gib
+
+
 def run_point(impl, b, c, dtype, group, args):
     """One (impl, b) point on ``group``: (median ms, extra GiB, status), reduced over the group."""
     from ds_infcl.ops.infonce_graph import clear_graphs
@@ -171,24 +193,14 @@ def run_point(impl, b, c, dtype, group, args):
     status, ms, extra = "ok", float("nan"), float("nan")
     oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
     step = None
-    base = [0]
-
-    def start_memory():
-        # Memory from after the first step (it compiles), over the rest of the warm-up and one
-        # timed step: CUDA graphs captured on a later step hold their buffers from then on, so
-        # they count, as in bench.loss.
-        if _DEVICE == "cuda":
-            base[0] = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-
+    start_memory, extra_gib = _memory_probe()
     try:
         step, status = _make_step(impl, b, c, dtype, group, args)
         if step is None:
             return float("nan"), float("nan"), status
         _warm_up(step, group, args, after_first=start_memory)
-        first = _timed(step)
-        if _DEVICE == "cuda":
-            extra = (torch.cuda.max_memory_allocated() - base[0]) / 2**30
+        first = _timed(step)  # (its memory counts too)
+        extra = extra_gib()
         # The same count on every rank (each step is collective): from the slowest rank's first.
         first = _all_reduce(first, dist.ReduceOp.MAX, group)
         reps = int(max(args.min_reps, min(args.reps, args.seconds_per_point * 1e3 / max(first, 1e-3))))
@@ -209,10 +221,11 @@ def run_paired(b, impls, c, dtype, solo, args):
     """``--paired``: every implementation at per-GPU batch ``b`` and the single-GPU reference
     (``infcl`` at ``W b`` on each rank alone, ``solo``) timed in one process, in ``--paired``
     rounds of ``--paired-calls`` isolated steps each, the order rotating every round, so that the
-    machine's drift over a run falls on all of them alike. ``{impl: (median ms, status)}``, the
-    slowest rank's median for the distributed points and the fastest rank's for the reference
-    (key ``"single"``), as the unpaired points are reduced; ``"algorithm"``: the one ``infcl``
-    chose. Separate runs of one point spread by
+    machine's drift over a run falls on all of them alike. ``{impl: (median ms, extra GiB,
+    status)}``, the slowest rank's median for the distributed points and the fastest rank's for
+    the reference (key ``"single"``), as the unpaired points are reduced; the extra memory as
+    ``run_point`` measures it, over each variant's own warm-up (after its first step: the others'
+    inputs and graphs are then part of the base); ``"algorithm"``: the one ``infcl`` chose. Separate runs of one point spread by
     0.3 ms at 16k rows per GPU and by more than the two losses differ at 4k (2 x H100,
     docs/distributed.md); paired, the differences stand out."""
     from ds_infcl.ops import infonce_graph
@@ -223,18 +236,20 @@ def run_paired(b, impls, c, dtype, solo, args):
     if world > 1 and not args.no_weak_scaling and any(i.startswith("infcl") for i in impls):
         variants.append(("single", solo, world * b))
     clear_graphs()
-    # Every variant keeps the graphs it would capture alone (each infcl variant up to 4).
+    # Every variant keeps the graphs it would capture alone (each infcl variant up to MAX_GRAPHS).
     saved_max = infonce_graph.MAX_GRAPHS
     infonce_graph.MAX_GRAPHS = saved_max * max(1, len(variants))
     oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
-    steps, out = {}, {}
+    steps, out, extra = {}, {}, {}
     try:
         for name, group, rows in variants:
             status = "oom"
+            start_memory, extra_gib = _memory_probe()
             try:
                 step, status = _make_step("infcl" if name == "single" else name, rows, c, dtype, group, args)
                 if step is not None:
-                    _warm_up(step, group, args)
+                    _warm_up(step, group, args, after_first=start_memory)
+                    extra[name] = extra_gib()
                     if name == "infcl":
                         from ds_infcl.loss.ring import last_algorithm
 
@@ -243,7 +258,7 @@ def run_paired(b, impls, c, dtype, solo, args):
                 step, status = None, "oom"
             # Every rank must agree before the rounds: a variant one rank dropped is dropped by all.
             if not _all_reduce(float(step is not None and status == "ok"), dist.ReduceOp.MIN, None):
-                out[name] = (float("nan"), status if status != "ok" else "oom")
+                out[name] = (float("nan"), float("nan"), status if status != "ok" else "oom")
                 continue
             steps[name] = step
         times = {name: [] for name in steps}
@@ -255,7 +270,7 @@ def run_paired(b, impls, c, dtype, solo, args):
         for name in names:
             med = _quantile(times[name], 0.5)
             op = dist.ReduceOp.MIN if name == "single" else dist.ReduceOp.MAX
-            out[name] = (_all_reduce(med, op, None), "ok")
+            out[name] = (_all_reduce(med, op, None), _all_reduce(extra[name], dist.ReduceOp.MAX, None), "ok")
     finally:
         infonce_graph.MAX_GRAPHS = saved_max
         steps = None
@@ -306,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds-per-point", type=float, default=3.0)
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="time every impl and the single-GPU reference in the same rounds, ROUNDS of them, "
-                         "the order rotating (the paired comparison; no memory figures)")
+                         "the order rotating (the paired comparison; memory over each impl's warm-up)")
     ap.add_argument("--paired-calls", type=int, default=12, help="isolated steps per impl and round (--paired)")
     ap.add_argument("--no-weak-scaling", action="store_true", help="skip the single-GPU runs")
     ap.add_argument("--no-tf32", action="store_true")
@@ -343,7 +358,7 @@ def main(argv=None) -> int:
                 single_ms[b] = paired["single"][0]
         for impl in args.impls:
             if paired is not None:
-                (ms, status), extra = paired[impl], float("nan")
+                ms, extra, status = paired[impl]
             else:
                 ms, extra, status = run_point(impl, b, args.dim, dtype, None, args)
             single = eff = float("nan")
