@@ -43,6 +43,11 @@ IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla", "op
 # infcl picks its algorithm by size (ds_infcl.loss.ring.choose_algorithm); infcl_ring and
 # infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
 _PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
+# infcl with the gather path's own block backward pinned in the forward or in the backward
+# (DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS, set on every rank around each call); not run by
+# default: the paired comparison of docs/distributed.md, "The own block's backward in the forward".
+_OWN_BACKWARD = {"infcl_own_early": 0, "infcl_own_late": 1 << 62}
+CHOICES = IMPLS + tuple(_OWN_BACKWARD)
 FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "backend", "ms",
           "extra_gib", "tflops", "single_gpu_ms", "weak_eff", "status"]
 
@@ -109,9 +114,10 @@ def _make_step(impl, b, c, dtype, group, args):
     q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
     scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
     q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
-    pinned = _PINNED.get(impl)
-    if pinned is not None:
+    pinned, own_min = _PINNED.get(impl), _OWN_BACKWARD.get(impl)
+    if pinned is not None or own_min is not None:
         impl = "infcl"
+    from ds_infcl.loss import ring as ring_mod
 
     def step():
         if openclip is not None:
@@ -119,12 +125,16 @@ def _make_step(impl, b, c, dtype, group, args):
         else:
             if pinned is not None:
                 os.environ["DS_INFCL_ALGORITHM"] = pinned
+            saved_min = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS
+            if own_min is not None:  # (read in the forward, which decides for the backward)
+                ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
             try:
                 loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
                                         group=group, check_finite=False)
             finally:
                 if pinned is not None:
                     os.environ.pop("DS_INFCL_ALGORITHM", None)
+                ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = saved_min
         loss.backward()
 
     return step, "ok"
@@ -308,7 +318,7 @@ def format_table(rows) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=CHOICES)
     ap.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072],
                     help="per-GPU batch sizes")
     ap.add_argument("--dim", type=int, default=512)

@@ -18,10 +18,10 @@ from ds_infcl.train.dist import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path, *extra, impls=("infcl", "infcl_ring", "local")):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--impls", "infcl", "infcl_ring", "local",
+           "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--impls", *impls,
            "--batch", "12", "--dim", "8", "--warmup-seconds", "0", "--seconds-per-point", "0.05",
            "--out", str(tmp_path), *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
@@ -47,3 +47,48 @@ def test_ring_bench_table_and_csv(tmp_path, paired):
     for impl in ("infcl", "infcl_ring"):  # the single-GPU reference and the weak-scaling figure
         assert float(rows[impl][3]) > 0 and rows[impl][4].endswith("%"), rows[impl]
     assert rows["local"][3] == "-" and rows["local"][4] == "-"
+
+
+def test_ring_bench_pins_the_own_block_backward(tmp_path):
+    """``infcl_own_early`` / ``infcl_own_late`` (not run by default): infcl with the gather path's
+    own block backward pinned in the forward or in the backward, side by side in paired rounds."""
+    rows, saved = _run(tmp_path, "--paired", "1", "--paired-calls", "2", impls=("infcl_own_early", "infcl_own_late"))
+    assert set(rows) == {"infcl_own_early", "infcl_own_late"}, rows
+    for impl in rows:
+        assert rows[impl][5] == "ok (paired, 1 x 2 calls)" and float(rows[impl][3]) > 0, rows[impl]
+
+
+def _pin_worker(rank, world, _):
+    import types
+
+    import torch
+
+    import ds_infcl.bench.ring as bench_ring
+    import ds_infcl.loss.ring_fused as fused
+
+    bench_ring._DEVICE = "cpu"
+    calls = []
+    plain = fused._backward_rest
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    fused._backward_rest = counting
+    out = {}
+    for impl in ("infcl_own_early", "infcl_own_late", "infcl"):
+        calls.clear()
+        step, status = bench_ring._make_step(impl, 12, 8, torch.float32, None, types.SimpleNamespace(backend="torch"))
+        step()
+        out[impl] = (status, len(calls))
+    return out
+
+
+def test_the_own_block_pins_take_effect():
+    """The pinned variants run the backward they name: the own block's in the forward (the
+    backward then covers the other keys: ``_backward_rest``) or not; plain infcl at 12 rows is
+    below the default threshold."""
+    from tests.ring.ring_harness import spawn
+
+    for out in spawn(_pin_worker, 2, None, timeout=120):
+        assert out == {"infcl_own_early": ("ok", 1), "infcl_own_late": ("ok", 0), "infcl": ("ok", 0)}, out
