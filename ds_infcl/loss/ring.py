@@ -307,10 +307,16 @@ def choose_algorithm(layout: RingLayout, dim: int, element_size: int) -> str:
         raise ValueError(f"DS_INFCL_ALGORITHM must be 'auto', 'ring' or 'gather', got {pinned!r}")
     if gather_bytes(layout, dim, element_size) > GATHER_MAX_BYTES:
         return "ring"
-    largest = max(max(layout.query_sizes), max(layout.key_sizes))
-    if layout.world <= 2 and largest > GATHER_MAX_LOCAL:
+    if ring_for_local_size(layout.world, max(max(layout.query_sizes), max(layout.key_sizes))):
         return "ring"
     return "gather"
+
+
+def ring_for_local_size(world: int, largest: int) -> bool:
+    """``choose_algorithm``'s rule on the per-rank batch: on 2 ranks, the ring once some rank holds
+    more than ``GATHER_MAX_LOCAL`` rows (``largest``). Also what the gather path's early own block
+    (``ds_infcl.loss.ring_fused.own_block_early``) predicts from a rank's own sizes."""
+    return world <= 2 and largest > GATHER_MAX_LOCAL
 
 
 def own_backward_early(layout: RingLayout) -> bool:

@@ -133,12 +133,12 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, ``DS_INFCL_ALGORITHM=ring``); if the
     layout then picks the ring anyway, the result is dropped. Only local work: ranks may decide
     differently, their collectives are the same."""
-    from ds_infcl.loss.ring import GATHER_MAX_LOCAL
+    from ds_infcl.loss.ring import ring_for_local_size
 
     b, m = query.shape[0], key.shape[0]
     if world < 2 or not b or not m or b * m < EARLY_MIN_LOGITS:
         return None
-    if os.environ.get("DS_INFCL_ALGORITHM", "auto") == "ring" or (world <= 2 and max(b, m) > GATHER_MAX_LOCAL):
+    if os.environ.get("DS_INFCL_ALGORITHM", "auto") == "ring" or ring_for_local_size(world, max(b, m)):
         return None
     with torch.no_grad():
         return run_graphed(
