@@ -1,5 +1,6 @@
 """Edge cases of the fused distributed InfoNCE (``ds_infcl.loss.ring_fused``) against the fp64
-reference on the gathered batch, on 3 gloo ranks, by both algorithms, both directions:
+reference on the gathered batch, on 3 gloo ranks, by both algorithms (the gather path also with its
+own block's backward in the forward and its all-to-all of the other keys' gradient), both directions:
 duplicate labels (several queries share one positive key, some keys are nobody's positive), a
 rank that holds keys but no queries, a rank with neither, fp16/bf16 inputs, a one-element scale
 parameter, and a second backward through a retained graph (the gradients add up); a second
@@ -36,15 +37,20 @@ LAYOUTS = {
 }
 
 
+# The algorithms: the ring, the gather path, and the gather path with its own block's backward
+# run in the forward (``own_backward_early``, off at these sizes by default).
+ALGORITHMS = (("gather", False), ("gather", True), ("ring", False))
+
+
 def _cases():
     cases = []
     for layout in LAYOUTS:
         for sym in (True, False):
-            for alg in ("gather", "ring"):
-                cases.append(dict(layout=layout, symmetric=sym, algorithm=alg, dtype="fp32"))
+            for alg, own_early in ALGORITHMS:
+                cases.append(dict(layout=layout, symmetric=sym, algorithm=alg, own_early=own_early, dtype="fp32"))
     for dtype in ("bf16", "fp16"):
-        for alg in ("gather", "ring"):
-            cases.append(dict(layout="duplicates", symmetric=True, algorithm=alg, dtype=dtype))
+        for alg, own_early in ALGORITHMS:
+            cases.append(dict(layout="duplicates", symmetric=True, algorithm=alg, own_early=own_early, dtype=dtype))
     return cases
 
 
@@ -67,12 +73,14 @@ def _local(case, seed, rank):
 
 
 def _worker(rank, world, cases):
+    import ds_infcl.loss.ring as ring_mod
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
     out = []
     for seed, case in enumerate(cases):
         os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
+        ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
         q, k, labels = _local(case, seed, rank)
         q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
         s = torch.nn.Parameter(torch.full((1,), SCALE))  # a one-element parameter, as a module's
@@ -82,6 +90,7 @@ def _worker(rank, world, cases):
         first = (q.grad.clone(), k.grad.clone(), s.grad.clone())
         loss.backward()  # the retained graph again: every gradient doubles
         assert last_algorithm() == case["algorithm"]
+        assert getattr(loss.grad_fn, "own_early", False) == case["own_early"]
         out.append(dict(loss=loss.item(), first=first, second=(q.grad, k.grad, s.grad)))
     os.environ.pop("DS_INFCL_ALGORITHM", None)
     return out
