@@ -205,8 +205,10 @@ class GatherInfoNCEFunction(torch.autograd.Function):
 
     Every logit is computed once per pass, for both directions, as in the ring. Holds the gathered
     keys and, in the backward, their float32 gradient: ``M c (e + 4)`` bytes for ``e``-byte
-    features (``choose_algorithm`` caps it); with the own block's backward in the forward, also
-    its float32 gradients, ``(b + m) c 4`` bytes, between the passes."""
+    features (``choose_algorithm`` caps it). With the own block's backward in the forward, also
+    its float32 gradients, ``(b + m) c 4`` bytes, between the passes; in the backward, instead of
+    the ``M c`` float32 gradient, the other keys' ``(M - m) c`` and what the all-to-all receives,
+    ``(W - 1) m c``: the same on 2 ranks of equal sizes, up to twice that on more."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None,
