@@ -235,9 +235,9 @@ def run_paired(b, impls, c, dtype, solo, args):
     status)}``, the slowest rank's median for the distributed points and the fastest rank's for
     the reference (key ``"single"``), as the unpaired points are reduced; the extra memory as
     ``run_point`` measures it, over each variant's own warm-up (after its first step: the others'
-    inputs and graphs are then part of the base); ``"algorithm"``: the one ``infcl`` chose. Separate runs of one point spread by
-    0.3 ms at 16k rows per GPU and by more than the two losses differ at 4k (2 x H100,
-    docs/distributed.md); paired, the differences stand out."""
+    inputs and graphs are then part of the base); ``"algorithm"``: the one ``infcl`` chose.
+    Separate runs of one point spread by 0.3 ms at 16k rows per GPU and by more than the two
+    losses differ at 4k (2 x H100, docs/distributed.md); paired, the differences stand out."""
     from ds_infcl.ops import infonce_graph
     from ds_infcl.ops.infonce_graph import clear_graphs
 

@@ -323,8 +323,7 @@ def own_backward_early(layout: RingLayout) -> bool:
     """Whether the gather path computes its own block's backward in the forward: the same on every
     rank (the layout and a setting in ``algorithm_settings``), since its backward's collectives
     follow (an all-to-all of the other keys' gradient instead of a reduce-scatter)."""
-    own = max(b * m for b, m in zip(layout.query_sizes, layout.key_sizes))
-    return own > 0 and own >= GATHER_OWN_BACKWARD_MIN_LOGITS
+    return max(b * m for b, m in zip(layout.query_sizes, layout.key_sizes)) >= GATHER_OWN_BACKWARD_MIN_LOGITS
 
 
 def gather_bytes(layout: RingLayout, dim: int, element_size: int) -> int:

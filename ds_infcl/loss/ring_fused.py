@@ -299,8 +299,14 @@ class GatherInfoNCEFunction(torch.autograd.Function):
             dscale = torch.zeros((), device=s.device, dtype=_F32)
         dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
         del dk_all
-        dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk.to(key.dtype), dscale, None, None, None, None, None, None, None, None
+        return _backward_outputs(ctx, dq, dk.to(key.dtype), dscale)
+
+
+def _backward_outputs(ctx, dq, dk, dscale):
+    """``GatherInfoNCEFunction.backward``'s return: the gradients of the query, the key and the
+    scale (in the scale's shape; ``None`` where it needs none), ``None`` for the other arguments."""
+    dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
+    return dq, dk, dscale, None, None, None, None, None, None, None, None
 
 
 def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes, own_grads, grad):
@@ -334,8 +340,7 @@ def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes
     if layout.world > 2:
         received = received.view(layout.world - 1, m, key.shape[1]).sum(0)
     dk = torch.addcmul(received, dk_own, g, out=torch.empty_like(key))
-    dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-    return dq, dk, dscale, None, None, None, None, None, None, None, None
+    return _backward_outputs(ctx, dq, dk, dscale)
 
 
 class RingInfoNCEFunction(torch.autograd.Function):

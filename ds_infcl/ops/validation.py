@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size",
-           "int_setting", "flag_setting"]
+           "int_setting", "check_choice", "choice_setting", "flag_setting"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

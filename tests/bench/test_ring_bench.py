@@ -66,15 +66,10 @@ def _pin_worker(rank, world, _):
     import ds_infcl.bench.ring as bench_ring
     import ds_infcl.loss.ring_fused as fused
 
+    from tests.ring.ring_harness import record_calls
+
     bench_ring._DEVICE = "cpu"
-    calls = []
-    plain = fused._backward_rest
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return plain(*args, **kwargs)
-
-    fused._backward_rest = counting
+    calls = record_calls(fused, "_backward_rest")
     out = {}
     for impl in ("infcl_own_early", "infcl_own_late", "infcl"):
         calls.clear()

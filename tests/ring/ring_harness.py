@@ -80,3 +80,18 @@ def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0, pg_tim
         if isinstance(res, dict) and "__error__" in res:
             raise RuntimeError(f"rank {r} failed:\n{res['__error__']}")
     return results
+
+
+def record_calls(owner, name: str, note: Callable = lambda result: 1) -> list:
+    """Replace ``owner.<name>`` (a module or object of the calling worker process) by a wrapper
+    that appends ``note(result)`` to the returned list on every call, then returns the result."""
+    plain = getattr(owner, name)
+    calls: list = []
+
+    def recording(*args, **kwargs):
+        result = plain(*args, **kwargs)
+        calls.append(note(result))
+        return result
+
+    setattr(owner, name, recording)
+    return calls

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds_infcl.ops.reference import contrastive_loss_reference
-from tests.ring.ring_harness import spawn
+from tests.ring.ring_harness import record_calls, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -67,25 +67,9 @@ def _worker(rank, world, cases):
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
-    early_blocks = []
-    plain_early = fused_mod.own_block_early
-
-    def recording_early(*args, **kwargs):
-        own = plain_early(*args, **kwargs)
-        early_blocks.append(own is not None)
-        return own
-
-    fused_mod.own_block_early = recording_early
+    early_blocks = record_calls(fused_mod, "own_block_early", lambda own: own is not None)
     max_bytes = ring_mod.GATHER_MAX_BYTES
-
-    all_reduces = []
-    plain_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(*args, **kwargs):
-        all_reduces.append(1)
-        return plain_all_reduce(*args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
+    all_reduces = record_calls(dist, "all_reduce")
     out = []
     for seed, case in enumerate(cases):
         q_all, k_all, key_sizes = _data(case, seed)
