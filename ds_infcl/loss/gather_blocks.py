@@ -163,16 +163,17 @@ def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=Non
     return backward
 
 
-def own_backward_fn(symmetric, backend, tile_size):
+def own_backward_fn(symmetric, backend, tile_size, weight: float):
     """The backward of the own block (this rank's queries against its own keys, which hold every
-    positive) for the weight ``w`` (0-dim) of this rank's LSE terms: ``(dq float32, d key float32
-    [m, c], dscale float32)``. Every weight in this block is this rank's own: its row terms', its
-    positives' and its keys' column weights (``column_weights``), so the block computed in the
-    forward for the unit weight, times the upstream gradient ``g``, is exact whatever the other
-    ranks' ``g`` (``GatherInfoNCEFunction``)."""
+    positive) for the weight ``w`` (a constant of the graph: float32 of ``weight``) of this rank's
+    LSE terms: ``(dq float32, d key float32 [m, c], dscale float32)``. Every weight in this block
+    is this rank's own: its row terms', its positives' and its keys' column weights
+    (``column_weights``), so the block computed in the forward for the unit weight, times the
+    upstream gradient ``g``, is exact whatever the other ranks' ``g`` (``GatherInfoNCEFunction``)."""
 
-    def backward(query, key, s, row, col, w, labels):
+    def backward(query, key, s, row, col, labels):
         b, m = query.shape[0], key.shape[0]
+        w = torch.full((), weight, device=query.device, dtype=torch.float32)
         grad_col = column_weights(w, labels, b, m) if symmetric else None
         return lse_backward(query, key, s, row, col, w.expand(b), grad_col, labels=labels,
                             grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
@@ -188,24 +189,36 @@ def other_ranges(offset: int, m: int, num_keys: int):
 
 
 def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=None):
-    """The backward over the other ranks' keys (no positive lives there): ``(dq float32, d(other
-    keys) float32 [M - m, c] in rank order, dscale float32)`` for the weight ``w`` (0-dim) of this
-    rank's LSE terms and the keys' column weights ``grad_col`` ``[M]``, or, with
-    ``diagonal_sizes`` (no rank passed labels), every rank's ``w`` ``[W]`` from which they are
-    formed (``diagonal_column_weights``)."""
+    """The backward over the other ranks' keys (no positive lives there), summed with the own
+    block's share: ``(dq in the queries' dtype, d(other keys) float32 [M - m, c] in rank order,
+    dscale float32)`` for the weight ``w`` (0-dim) of this rank's LSE terms and the keys' column
+    weights ``grad_col`` ``[M]``, or, with ``diagonal_sizes`` (no rank passed labels), every rank's
+    ``w`` ``[W]`` from which they are formed (``diagonal_column_weights``). ``dq`` and ``dscale`` add
+    the own block's ``dq_own * g`` and ``ds_own * g`` (``own_backward_fn`` for the unit weight,
+    times the upstream gradient ``g``); with the Triton backend and one range of other keys, in
+    the pass that scales ``dq`` (``lse_backward_triton(dq_add=...)``: no pass of its own)."""
 
-    def backward(query, key_all, s, row, col, w, grad_col):
+    def backward(query, key_all, s, row, col, w, grad_col, dq_own, ds_own, g):
         b = query.shape[0]
         if diagonal_sizes is not None:
             grad_col = diagonal_column_weights(grad_col, *diagonal_sizes)
+        ranges = other_ranges(offset, m, key_all.shape[0])
+        fused = backend == "triton" and len(ranges) == 1
         dq = dscale = None
         dks = []
-        for lo, hi in other_ranges(offset, m, key_all.shape[0]):
-            dq_t, dk_t, ds_t = lse_backward(
-                query, key_all[lo:hi], s, row, col[lo:hi] if symmetric else None, w.expand(b),
-                grad_col[lo:hi] if symmetric else None, backend=backend, tile_size=tile_size)
+        for lo, hi in ranges:
+            args = (query, key_all[lo:hi], s, row, col[lo:hi] if symmetric else None, w.expand(b),
+                    grad_col[lo:hi] if symmetric else None)
+            if fused:
+                from ds_infcl.ops.triton_lse import lse_backward_triton
+
+                dq_t, dk_t, ds_t = lse_backward_triton(*args, dq_add=(torch.empty_like(query), dq_own, g))
+            else:
+                dq_t, dk_t, ds_t = lse_backward(*args, backend=backend, tile_size=tile_size)
             dq, dscale = (dq_t, ds_t) if dq is None else (dq.add_(dq_t), dscale + ds_t)
             dks.append(dk_t)
-        return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), dscale
+        if not fused:
+            dq = torch.addcmul(dq, dq_own, g, out=torch.empty_like(query))
+        return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), torch.addcmul(dscale, ds_own, g)
 
     return backward

@@ -49,7 +49,7 @@ second derivative raises (``refuse_double_backward``) instead of silently missin
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ from ds_infcl.loss.gather_blocks import (
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
-from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, outputs_intact, run_graphed
+from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, outputs_intact, run_graphed
 from ds_infcl.ops.validation import int_setting
 from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
@@ -74,6 +74,15 @@ _F32 = torch.float32
 # 0.19 / 0.11 / 0.19 ms slower at 12,288 / 8,192 / 4,096, where the block's GPU time covers less of
 # the exchange than the extra graph launch costs the host.
 EARLY_MIN_LOGITS = int_setting("DS_INFCL_GATHER_EARLY_MIN_LOGITS", 1 << 28, minimum=0)
+
+
+class EarlyOwn(NamedTuple):
+    """``own_block_early``'s result: the own block's ``(row, col or None, pos)`` and its graph's
+    token (``inputs_of``: its copy of the query, read in place by the rest of the forward; ``None``
+    when it ran eagerly)."""
+
+    stats: tuple
+    token: object
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:
@@ -141,26 +150,38 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     if os.environ.get("DS_INFCL_ALGORITHM", "auto") == "ring" or ring_for_local_size(world, max(b, m)):
         return None
     with torch.no_grad():
-        return run_graphed(
+        stats, token = run_graphed(
             "gather_own", own_block_fn(symmetric, backend, tile_size),
             (query.detach(), key.detach(), scale_t.detach(), labels), options=(symmetric, tile_size),
-            logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2))
+            logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2), token=True)
+    return EarlyOwn(stats, token)
+
+
+def _graph_sources(token, query, key_all, key, offset):
+    """``(query, key_all, key)`` for a graph of this call: the forward graph's copies while they hold
+    this call's (``inputs_of``; a graph captured on them reads them in place, no copy), else the
+    tensors themselves. ``key`` is rows ``[offset, offset + m)`` of ``key_all``."""
+    got = inputs_of(token)
+    if got is None:
+        return query, key_all, key
+    return got[0], got[1], got[1][offset: offset + key.shape[0]]
 
 
 def _own_backward(query, key, s, row, col, labels, layout: RingLayout, symmetric, backend, tile_size):
     """``(own_backward_fn's outputs for the unit weight W f / B, token)``, replayed from a graph
-    where the shapes repeat. The outputs are the graph's buffers (64 MB at 16k rows, c = 512, not
-    copied): they hold this call's values while ``outputs_intact(token)``; a second forward
-    before this one's backward replays the graph, and the backward computes the block again (a
-    local computation: ranks may differ in that)."""
+    where the shapes repeat (``query`` and ``key`` may be the forward graph's copies,
+    ``_graph_sources``: read in place). The outputs are the graph's buffers (64 MB at 16k rows,
+    c = 512, not copied): they hold this call's values while ``outputs_intact(token)``; a second
+    forward before this one's backward replays the graph, and the backward computes the block
+    again (a local computation: ranks may differ in that)."""
     b, m = query.shape[0], key.shape[0]
     offset = layout.key_offset()
-    unit = _weight(torch.ones((), device=s.device, dtype=_F32), layout, symmetric)
+    unit = layout.world * (0.5 if symmetric else 1.0) / layout.num_queries  # _weight of g = 1
     return run_graphed(
-        "gather_own_backward", own_backward_fn(symmetric, backend, tile_size),
-        (query, key, s, row, None if col is None else col[offset: offset + m], unit, labels),
-        options=(symmetric, tile_size), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
-        borrow=(0, 1, 2), token=True)
+        "gather_own_backward", own_backward_fn(symmetric, backend, tile_size, unit),
+        (query, key, s, row, None if col is None else col[offset: offset + m], labels),
+        options=(symmetric, tile_size, unit), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
+        borrow=(0, 1, 2), static=(0, 1), token=True)
 
 
 def _send_key_gradients(dk_rest: torch.Tensor, layout: RingLayout, group):
@@ -221,22 +242,24 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         key_all = all_gather_rows(key, layout.key_sizes, group)
         m, offset, num_keys = key.shape[0], layout.key_offset(), layout.num_keys
         diagonal = symmetric and layout.diagonal  # (the same on every rank: from the layout)
-        row = col = pos = col_pos = payload = None
+        row = col = pos = col_pos = payload = fwd_token = None
         # The local kernels, replayed from CUDA graphs where small shapes repeat. payload and pos
         # are read right away (the all-gather, the share): a replay may hand over its own
-        # buffers; row is kept for the backward, a copy. The own block's statistics are its
-        # graph's buffers, read in place (static).
+        # buffers; row is kept for the backward, a copy. The own block's statistics and its copy
+        # of the query are its graph's buffers, read in place (static); the later graphs read the
+        # forward graph's copies of the query and the keys (fwd_token, _graph_sources).
         if b and own is not None:  # the own block ran before the layout exchange (own_block_early)
-            row, payload, pos = run_graphed(
+            own_inputs = inputs_of(own.token)
+            (row, payload, pos), fwd_token = run_graphed(
                 "gather_rest", gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m),
-                (query, key_all, s) + tuple(own), options=(symmetric, diagonal, tile_size, offset, m),
-                logits=b * (num_keys - m), backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2),
-                static=(3, 4, 5))
+                (query if own_inputs is None else own_inputs[0], key_all, s) + tuple(own.stats),
+                options=(symmetric, diagonal, tile_size, offset, m), logits=b * (num_keys - m), backend=backend,
+                max_logits=GATHER_MAX_LOGITS, borrow=(1, 2), static=(0, 3, 4, 5), token=True)
         elif b:
-            row, payload, pos = run_graphed(
+            (row, payload, pos), fwd_token = run_graphed(
                 "gather_forward", gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m),
                 (query, key_all, s, labels), options=(symmetric, diagonal, tile_size, offset, m),
-                logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2))
+                logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1, 2), token=True)
         elif symmetric:  # no queries here: an empty sum for every key (and a zero row term)
             payload = torch.full((num_keys + diagonal,), float("-inf"), device=query.device, dtype=_F32)
             if diagonal:
@@ -250,10 +273,12 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         ctx.scale_shape = scale.shape
         ctx.options = (symmetric, backend, tile_size, layout, group)
         ctx.own_early = own_backward_early(layout)  # (the same on every rank)
+        ctx.fwd_token = fwd_token
         own_grads, ctx.own_token = (), None
         if ctx.own_early and grad:  # the own block's backward for the unit weight (see the class doc)
             if b:
-                own_grads, ctx.own_token = _own_backward(query, key, s, row, col, labels, layout, symmetric,
+                q_in, _, k_in = _graph_sources(fwd_token, query, key_all, key, offset)
+                own_grads, ctx.own_token = _own_backward(q_in, k_in, s, row, col, labels, layout, symmetric,
                                                          backend, tile_size)
             else:  # no queries: this rank's own block is empty
                 own_grads = (torch.zeros((0, query.shape[1]), device=query.device, dtype=_F32),
@@ -281,18 +306,20 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 raise RuntimeError("the distributed InfoNCE's forward kept no gradients; call it with "
                                    "autograd enabled to differentiate it")
             if b and not outputs_intact(ctx.own_token):  # a later call replayed the graph: again
-                own_grads, _ = _own_backward(query, key, s, row, col, labels, layout, symmetric, backend, tile_size)
+                q_in, _, k_in = _graph_sources(ctx.fwd_token, query, key_all, key, layout.key_offset())
+                own_grads, _ = _own_backward(q_in, k_in, s, row, col, labels, layout, symmetric, backend, tile_size)
             return _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes, own_grads, grad)
         if b:
             # d(key_all) is only read by the reduce-scatter below (a new tensor; the current
             # stream waits for it): a replay may hand over its own buffer instead of a copy
             # (M c float32 bytes, 64 MB at 32k keys).
             offset = layout.key_offset()
+            q_in, k_all_in, _ = _graph_sources(ctx.fwd_token, query, key_all, key, offset)
             dq, dk_all, dscale = run_graphed(
                 "gather_backward", gather_backward_fn(symmetric, backend, tile_size, offset, sizes),
-                (query, key_all, s, row, col, w, grad_col_all, labels),
+                (q_in, k_all_in, s, row, col, w, grad_col_all, labels),
                 options=(symmetric, tile_size, offset, sizes), logits=b * layout.num_keys, backend=backend,
-                max_logits=GATHER_MAX_LOGITS, borrow=(1,))
+                max_logits=GATHER_MAX_LOGITS, borrow=(1,), static=(0, 1))
         else:  # zeros keep this rank in the reduce-scatter
             dq = torch.zeros_like(query)
             dk_all = torch.zeros(key_all.shape, device=key.device, dtype=_F32)
@@ -317,29 +344,30 @@ def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes
     b, m, num_keys = query.shape[0], key.shape[0], layout.num_keys
     offset = layout.key_offset()
     g = grad.detach().to(_F32)
-    dq_rest = ds_rest = None
+    dq_own, dk_own, ds_own = own_grads
     if b and num_keys > m:
-        # d(other keys) is only read by the all-to-all, which this call waits for below, before
-        # any later replay: a replay may hand over its own buffer (M c float32 bytes).
-        dq_rest, dk_rest, ds_rest = run_graphed(
+        # dq and dscale come out summed with the own block's share times g. The other keys'
+        # gradient is only read by the all-to-all, which this call waits for below, before any
+        # later replay, and dq is copied out once the all-to-all is queued (its copy need not
+        # delay it): a replay may hand over its own buffers.
+        q_in, k_all_in, _ = _graph_sources(ctx.fwd_token, query, key_all, key, offset)
+        (dq, dk_rest, dscale), graphed = run_graphed(
             "gather_backward_rest", rest_backward_fn(symmetric, backend, tile_size, offset, m, sizes),
-            (query, key_all, s, row, col, w, grad_col_all), options=(symmetric, tile_size, offset, m, sizes),
-            logits=b * num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1,))
+            (q_in, k_all_in, s, row, col, w, grad_col_all, dq_own, ds_own, g),
+            options=(symmetric, tile_size, offset, m, sizes), logits=b * num_keys, backend=backend,
+            max_logits=GATHER_MAX_LOGITS, borrow=(0, 1), static=(0, 1, 7, 8), token=True)
+        work, received = _send_key_gradients(dk_rest, layout, group)
+        if graphed is not None:
+            dq = dq.clone()
     else:  # zeros keep this rank in the all-to-all
         dk_rest = torch.zeros((num_keys - m, key.shape[1]), device=key.device, dtype=_F32)
-    work, received = _send_key_gradients(dk_rest, layout, group)
-    # Each gradient in one kernel: the float32 sum written in the inputs' dtype (out=).
-    dq_own, dk_own, ds_own = own_grads
-    dq = torch.empty_like(query)
-    if dq_rest is None:
-        dq, dscale = torch.mul(dq_own, g, out=dq), ds_own * g
-    else:
-        dq, dscale = torch.addcmul(dq_rest, dq_own, g, out=dq), ds_rest.addcmul_(ds_own, g)
+        work, received = _send_key_gradients(dk_rest, layout, group)
+        dq, dscale = torch.mul(dq_own, g, out=torch.empty_like(query)), ds_own * g
     work.wait()  # (on CUDA: the current stream waits for the exchange, the host does not)
     del dk_rest
     if layout.world > 2:
         received = received.view(layout.world - 1, m, key.shape[1]).sum(0)
-    dk = torch.addcmul(received, dk_own, g, out=torch.empty_like(key))
+    dk = torch.addcmul(received, dk_own, g, out=torch.empty_like(key))  # (float32 sum, one rounding)
     return _backward_outputs(ctx, dq, dk, dscale)
 
 

@@ -46,7 +46,7 @@ import torch
 
 from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "clear_graphs", "CUDA_GRAPH",
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs", "CUDA_GRAPH",
            "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
@@ -66,6 +66,7 @@ def clear_graphs() -> None:
     _SEEN.clear()
     _GRAPHS.clear()
     _FAILED.clear()
+    _OWNERS.clear()
 
 
 def _eligible(tensor: torch.Tensor, backend: str, logits: int, max_logits: Optional[int] = None) -> bool:
@@ -194,27 +195,54 @@ class GraphedCall:
     """``fn(*args)`` (tensors or ``None`` in, a tuple of tensors or ``None`` out) captured in one
     CUDA graph on static copies of its arguments; each call copies its arguments in, replays, and
     clones the outputs (so the results outlive the next replay). The arguments at the indices in
-    ``static`` are captured as they are, not copied: buffers that the caller passes again and again
-    (another graph's borrowed outputs); a call copies into them only when it gets other tensors.
+    ``static`` are captured as they are, not copied, where they are another graph's buffers (its
+    inputs or outputs, or views of them: addresses that stay, ``_owned``); others are copied like
+    the rest. A call copies into any argument buffer only when it gets another tensor there, and
+    a copy into another graph's buffer counts as a change of that graph (its ``version``), so
+    that a token taken before tells the change (``outputs_intact``, ``inputs_of``).
     ``fn`` must not write into its arguments."""
 
     def __init__(self, fn, args, static=()):
         dev = next(a.device for a in args if a is not None)
-        self.args = [None if a is None else (a.detach() if i in static else a.detach().clone())
+        self.static = frozenset(i for i in static if args[i] is not None and _owned(args[i]))
+        # The graphs whose buffers it reads in place: its copies of the arguments hold a call's
+        # only while theirs do too (inputs_of).
+        self.sources = tuple({id(o): o for o in (_OWNERS[args[i].untyped_storage().data_ptr()]
+                                                  for i in sorted(self.static))}.values())
+        self.args = [None if a is None else (a.detach() if i in self.static else a.detach().clone())
                      for i, a in enumerate(args)]
         _warm_up(dev, lambda: fn(*self.args))
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = fn(*self.args)
         self.replays = 0
+        self.version = 0  # bumped by every replay and every copy into its buffers by another graph's call
+        for i, t in enumerate(self.args):
+            if t is not None and i not in self.static:
+                _OWNERS[t.untyped_storage().data_ptr()] = self
+        for t in self.out:
+            if t is not None:
+                _OWNERS[t.untyped_storage().data_ptr()] = self
 
     def __call__(self, *args, borrow=()):
-        for dst, src in zip(self.args, args):
+        for i, (dst, src) in enumerate(zip(self.args, args)):
             if dst is not None and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
+                owner = _OWNERS.get(dst.untyped_storage().data_ptr()) if i in self.static else None
+                if owner is not None:
+                    owner.version += 1
         self.graph.replay()
         self.replays += 1
+        self.version += 1
         return tuple(o if (o is None or i in borrow) else o.clone() for i, o in enumerate(self.out))
+
+
+_OWNERS: dict = {}  # storage address -> the GraphedCall whose input or output buffer it is
+
+
+def _owned(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a kept graph's buffer: an address that stays while it is kept."""
+    return t.untyped_storage().data_ptr() in _OWNERS
 
 
 def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_logits: Optional[int] = None,
@@ -225,9 +253,11 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_l
     indices are in ``borrow`` come back as the graph's own buffers, not copies: the caller must be
     done with them (stream-ordered, on the current stream) before the next call of this
     computation. The arguments whose indices are in ``static`` are buffers the caller passes
-    again and again (another computation's borrowed outputs): the graph reads them in place
-    (``GraphedCall``). With ``token``, returns ``(outputs, token)``: ``outputs_intact(token)`` tells
-    later whether borrowed outputs still hold this call's values (no replay of the graph since).
+    again and again (another computation's borrowed outputs or its copies of its inputs,
+    ``inputs_of``): the graph reads them in place (``GraphedCall``). With ``token``, returns
+    ``(outputs, token)``: ``outputs_intact(token)`` tells later whether borrowed outputs still
+    hold this call's values (no replay of the graph since), ``inputs_of(token)`` gives its copies
+    of the arguments while they hold them.
     Used by the distributed gather path (``ds_infcl.loss.ring_fused``) around its local kernels,
     between its collectives."""
     graphed = None
@@ -237,11 +267,23 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_l
     out = fn(*args) if graphed is None else graphed(*args, borrow=borrow)
     if not token:
         return out
-    return out, (None if graphed is None else (graphed, graphed.replays))
+    if graphed is None:
+        return out, None
+    return out, (graphed, graphed.version, tuple(o.version for o in graphed.sources))
 
 
 def outputs_intact(token) -> bool:
     """Whether the borrowed outputs of the ``run_graphed(token=True)`` call that returned ``token``
-    still hold its values: eager outputs always do; a graph's, until its next replay."""
-    return token is None or token[0].replays == token[1]
+    still hold its values: eager outputs always do; a graph's, until its next replay (or another
+    graph's call copies into its buffers)."""
+    return token is None or token[0].version == token[1]
 
+
+def inputs_of(token) -> Optional[list]:
+    """The graph's copies of the arguments of the ``run_graphed(token=True)`` call that returned
+    ``token``, while they still hold them: no replay since, of the graph and of those whose buffers
+    it reads in place (``static``), and no copy into them; ``None`` for an eager call or once
+    they may not. Another graph may read them in place (``run_graphed(static=...)``)."""
+    if token is None or token[0].version != token[1] or tuple(o.version for o in token[0].sources) != token[2]:
+        return None
+    return token[0].args

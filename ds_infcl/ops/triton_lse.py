@@ -608,16 +608,19 @@ def _fit_budget(b: int, m: int, c: int, rows: int, cols: int, g_dtype: torch.dty
     return rows, cols
 
 
-def _scale_out(acc, factor, out, own, ds_parts, ds_offset, block_r):
-    """``out = acc * factor`` (cast to ``out``'s dtype) and, with ``own``, the scale-gradient shares
-    ``sum(acc * own)`` of each ``block_r`` rows at ``ds_parts[ds_offset:]``."""
+def _scale_out(acc, factor, out, own, ds_parts, ds_offset, block_r, add=None, add_factor=None):
+    """``out = acc * factor`` (cast to ``out``'s dtype), plus ``add * add_factor`` with ``add``, and,
+    with ``own``, the scale-gradient shares ``sum(acc * own)`` of each ``block_r`` rows at
+    ``ds_parts[ds_offset:]``."""
     rows, c = acc.shape
     with _on_device(acc):
         _scale_out_kernel[(triton.cdiv(rows, block_r),)](
-            acc, factor, out, own if own is not None else acc, ds_parts if ds_parts is not None else acc, rows, c,
-            own.stride(0) if own is not None else c, ds_offset,
+            acc, factor, out, own if own is not None else acc,
+            ds_parts if ds_parts is not None else acc, add if add is not None else acc,
+            add_factor if add is not None else acc, rows, c, own.stride(0) if own is not None else c,
+            add.stride(0) if add is not None else c, ds_offset,
             BLOCK_R=block_r, BLOCK_C=min(128, max(16, triton.next_power_of_2(c))), HAS_DOT=own is not None,
-            num_warps=4,
+            HAS_ADD=add is not None, num_warps=4,
         )
 
 
@@ -644,6 +647,7 @@ def lse_backward_triton(
     exclude_positive: bool = False,
     grad_pos: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq [b, c], dk [m, c], dscale [])`` of
     ``sum(grad_row * row_lse) + sum(grad_col * col_lse) + sum(grad_pos * pos)``, where ``pos_i``
@@ -655,6 +659,10 @@ def lse_backward_triton(
     given: then the smaller side keeps a whole float32 accumulator and the other side a float32
     accumulator of one chunk, written out in ``out_dtype`` when its chunk is done. Scratch: one
     ``CHUNK_ROWS x CHUNK_COLS`` block of ``G`` and that chunk accumulator.
+
+    ``dq_add=(out [b, c], add [b, c], add_factor [])`` (float32 ``dq``, no ``out_dtype``): ``dq`` is
+    written into ``out`` (any float dtype) as ``dq + add * add_factor`` by the pass that scales it,
+    one rounding (the gather path adds its own block's share so, ``ds_infcl.loss.gather_blocks``).
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
@@ -663,10 +671,13 @@ def lse_backward_triton(
     f32 = torch.float32
     res_dtype = out_dtype or f32
     has_row, has_col, has_pos = grad_row is not None, grad_col is not None, grad_pos is not None
+    if dq_add is not None and out_dtype is not None:
+        raise ValueError("lse_backward_triton: dq_add= needs the float32 gradients (out_dtype=None)")
     if b == 0 or m == 0 or c == 0 or not (has_row or has_col or has_pos):
-        return (torch.zeros((b, c), device=device, dtype=res_dtype),
-                torch.zeros((m, c), device=device, dtype=res_dtype),
-                torch.zeros((), device=device, dtype=f32))
+        dq = torch.zeros((b, c), device=device, dtype=res_dtype)
+        if dq_add is not None:
+            dq = torch.mul(dq_add[1], dq_add[2], out=dq_add[0])
+        return (dq, torch.zeros((m, c), device=device, dtype=res_dtype), torch.zeros((), device=device, dtype=f32))
     s_t = _scale_arg(scale, device)
     # fp16 G needs its weights brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
     gs = _grad_scale(grad_row, grad_col, grad_pos) if query.dtype == torch.float16 else None
@@ -727,7 +738,7 @@ def lse_backward_triton(
         )
 
     factor = s_t / gs if gs is not None else s_t
-    dq, dk, dscale = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"])
+    dq, dk, dscale = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"], dq_add=dq_add)
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
 
@@ -758,6 +769,7 @@ def chunked_g_products(
     *,
     with_dscale: bool = True,
     accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The backward's products over bounded blocks of ``G`` (shared by the InfoNCE and SigLIP ops).
 
@@ -772,6 +784,9 @@ def chunked_g_products(
     ``with_dscale=False``): ``G @ key`` and ``G^T @ query`` are *added* into the caller's
     accumulators, without ``factor`` (the caller scales once when its sums are complete), and
     returned; the scratch is one block of ``G`` (see ``chunk_blocks``).
+
+    ``dq_add=(out, add, add_factor)`` (needs ``out_dtype=None``): ``dq`` comes back in ``out`` as
+    ``factor * G @ key + add * add_factor``, from the same pass (``lse_backward_triton``).
     """
     b, c = query.shape
     m = key.shape[0]
@@ -780,6 +795,8 @@ def chunked_g_products(
     res_dtype = out_dtype or f32
     if accumulate is not None and (out_dtype is not None or with_dscale):
         raise ValueError("chunked_g_products: accumulate= needs out_dtype=None and with_dscale=False")
+    if dq_add is not None and (out_dtype is not None or accumulate is not None):
+        raise ValueError("chunked_g_products: dq_add= needs out_dtype=None and no accumulate=")
     # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
     # interpreter, whose bf16 dot is wrong.
     g_dtype = f32 if upcast else query.dtype
@@ -837,7 +854,11 @@ def chunked_g_products(
     # scale gradient comes from dq.
     if full_q:
         own = query if (out_dtype is None and with_dscale) else None
-        dq = _scale_out_whole(dq, factor, res_dtype, block_r, own, ds_parts)
+        if dq_add is None:
+            dq = _scale_out_whole(dq, factor, res_dtype, block_r, own, ds_parts)
+        else:
+            _scale_out(dq, factor, dq_add[0], own, ds_parts, 0, block_r, dq_add[1], dq_add[2].float())
+            dq = dq_add[0]
     if full_k:
         dk = _scale_out_whole(dk, factor, res_dtype, block_r)
     if not with_dscale:

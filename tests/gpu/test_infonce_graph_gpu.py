@@ -177,3 +177,57 @@ def test_run_graphed_static_arguments(monkeypatch):
     (out,) = ig.run_graphed("consumer", consume, (z, x), options=(), logits=1, backend="triton", static=(0,))
     torch.testing.assert_close(out, z + x, rtol=0, atol=0)
     ig.clear_graphs()
+
+
+def test_run_graphed_shared_inputs_and_tokens(monkeypatch):
+    """``inputs_of``: a later graph reads another graph's copies of its inputs in place while they
+    hold the call's; a replay of either, or a copy into their buffers by another graph's call,
+    ends that (so a backward that follows a second forward reads its own saved tensors). A
+    ``static`` argument that is not a graph's buffer at capture is copied, never written."""
+    ig.clear_graphs()
+    monkeypatch.setattr(ig, "CUDA_GRAPH", "1")
+    x = torch.randn(64, 8, device="cuda")
+
+    def first(a):
+        return (a * 2.0,)
+
+    def second(a, p):
+        return (a - p,)
+
+    tokens = []
+    for i in range(3):
+        y = x + i
+        (p,), tok = ig.run_graphed("first", first, (y,), options=(), logits=1, backend="triton", borrow=(0,),
+                                   token=True)
+        a_in = ig.inputs_of(tok)
+        assert (a_in is None) == (i == 0)  # the first call runs eagerly
+        (out,), tok2 = ig.run_graphed("second", second, (y if a_in is None else a_in[0], p), options=(), logits=1,
+                                      backend="triton", static=(0, 1), token=True)
+        torch.testing.assert_close(out, -y, rtol=0, atol=0)
+        tokens.append((tok, tok2))
+    first_g = next(g for k, g in ig._GRAPHS.items() if k[0] == "first")
+    second_g = next(g for k, g in ig._GRAPHS.items() if k[0] == "second")
+    assert second_g.args[0].data_ptr() == first_g.args[0].data_ptr()  # read in place
+    tok, tok2 = tokens[2]
+    assert ig.inputs_of(tok) is not None and ig.inputs_of(tok2) is not None and ig.outputs_intact(tok)
+    # a replay of the first graph: its copies, and the second's that read them, hold another call's
+    ig.run_graphed("first", first, (x + 7,), options=(), logits=1, backend="triton", borrow=(0,))
+    assert ig.inputs_of(tok) is None and ig.inputs_of(tok2) is None and not ig.outputs_intact(tok)
+    assert ig.outputs_intact(tok2)  # its own outputs: not replayed since
+    # the second graph given other tensors: copied into the first's buffers, which counts as a change
+    (p,), tok = ig.run_graphed("first", first, (x,), options=(), logits=1, backend="triton", borrow=(0,), token=True)
+    z = torch.randn(64, 8, device="cuda")
+    (out,) = ig.run_graphed("second", second, (z, p), options=(), logits=1, backend="triton", static=(0, 1))
+    torch.testing.assert_close(out, z - 2.0 * x, rtol=0, atol=0)
+    assert ig.inputs_of(tok) is None and not ig.outputs_intact(tok)
+    # a static place that is no graph's buffer when captured: a copy, the caller's tensor untouched
+    u, v = torch.randn(64, 8, device="cuda"), torch.randn(64, 8, device="cuda")
+    for i in range(3):
+        (out,) = ig.run_graphed("third", second, (u + i, v), options=(), logits=1, backend="triton", static=(0, 1))
+    third = next(g for k, g in ig._GRAPHS.items() if k[0] == "third")
+    assert third.static == frozenset() and third.args[1].data_ptr() != v.data_ptr()
+    w = v.clone()
+    (out,) = ig.run_graphed("third", second, (u, w + 1.0), options=(), logits=1, backend="triton", static=(0, 1))
+    torch.testing.assert_close(out, u - (w + 1.0), rtol=0, atol=0)
+    torch.testing.assert_close(v, w, rtol=0, atol=0)
+    ig.clear_graphs()

@@ -452,3 +452,28 @@ def test_bad_tuning_settings_name_their_form(monkeypatch, name, value, form):
         assert triton_lse._chunks(32)[:2] == (8192, 4096)
     elif name.startswith("DS_INFCL_TRITON"):
         assert triton_lse._env_config(name).maxnreg == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,m,c", [(1, 40, 24), (70, 33, 72)])
+def test_backward_dq_add_sums_a_second_share_in_the_scaling_pass(dtype, b, m, c):
+    # dq_add=(out, add, g): dq written into out as dq + add * g in the pass that scales dq (the
+    # gather path's own block share); dk and dscale as without it. fp16 takes its power-of-two
+    # weight scale through the same pass.
+    q, k = (x.to(dtype) for x in features(b, m, c, seed=5))
+    s = torch.tensor(9.0)
+    row, col = triton_lse.lse_forward_triton(q, k, s)
+    w_row = torch.full((b,), 0.3)
+    w_col = torch.linspace(0.1, 0.5, m)
+    plain = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col)
+    add = torch.randn(b, c, generator=torch.Generator().manual_seed(7))
+    g = torch.tensor(-1.75)
+    out = torch.empty(b, c, dtype=dtype)
+    got = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col, dq_add=(out, add, g))
+    assert got[0] is out
+    want = (plain[0].double() + add.double() * g.double()).to(dtype)
+    tol = 0.0 if dtype == torch.float32 else 1.0  # one rounding of a float32 sum, in ulps of dtype
+    assert (got[0].double() - want.double()).abs().max() <= tol * want.double().abs().max() * torch.finfo(dtype).eps + 1e-6
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+    with pytest.raises(ValueError, match="out_dtype=None"):
+        triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col, out_dtype=dtype, dq_add=(out, add, g))

@@ -28,15 +28,17 @@ def _cases():
     # ("0"); the gather path with its own block computed before the layout exchange (early) and
     # not; and the early block computed, then dropped because the layout picks the ring (auto with
     # a gather-bytes cap of 0).
-    # The gather path also with its own block's backward run in the backward (else in the forward).
-    variants = (("gather", "gather", "auto", False, True), ("gather", "gather", "auto", True, True),
-                ("gather", "gather", "auto", False, False),
-                ("ring", "ring", "1", False, True), ("ring", "ring", "0", False, True),
-                ("ring", "auto", "auto", True, True))
+    # The gather path also with its own block's backward run in the backward (else in the forward),
+    # and with the Triton kernels (interpreted): its backward then adds the own block's share of
+    # dq in the pass that scales dq (lse_backward_triton(dq_add=)).
+    variants = (("gather", "gather", "auto", False, True, "torch"), ("gather", "gather", "auto", True, True, "torch"),
+                ("gather", "gather", "auto", False, False, "torch"), ("gather", "gather", "auto", True, True, "triton"),
+                ("ring", "ring", "1", False, True, "torch"), ("ring", "ring", "0", False, True, "torch"),
+                ("ring", "auto", "auto", True, True, "torch"))
     return [dict(sizes=sizes, hard=hard, symmetric=sym, algorithm=alg, pin=pin, overlap=ov, early=early,
-                 own_early=own_early)
+                 own_early=own_early, backend=backend)
             for sizes, hard in LAYOUTS for sym in (True, False)
-            for alg, pin, ov, early, own_early in variants]
+            for alg, pin, ov, early, own_early, backend in variants]
 
 
 def _data(case, seed):
@@ -88,7 +90,7 @@ def _worker(rank, world, cases):
             labels = None if mode == "none" else torch.arange(q.shape[0])
             all_reduces.clear()
             loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
-                                    backend="torch", tile_size=4)
+                                    backend=case["backend"], tile_size=4)
             names = _graph_names(loss.grad_fn)
             own_early = getattr(loss.grad_fn, "own_early", False)  # (the Function's ctx)
             forward_all_reduces = len(all_reduces)
