@@ -27,6 +27,9 @@ How:
   caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream),
   so calls may interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
+  The gather path's graphs read one another's copies of their inputs in place while these hold
+  the call's (``inputs_of``; a version per graph, bumped by its replays and by any copy into its
+  buffers, tells when they may not).
 - At most ``MAX_GRAPHS`` graphs are kept (6: the single-device loss takes one per shape, the gather
   path up to five: its forward (two with the early own block), the statistics' merge, and its
   backward's two blocks), for the first shapes that repeat; later shapes run eagerly (capturing again and again
