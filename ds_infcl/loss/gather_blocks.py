@@ -27,7 +27,8 @@ from ds_infcl.ops.infonce import column_weights
 
 __all__ = [
     "lse_over_ranks", "merge_fn", "diagonal_column_weights", "gather_forward_fn", "forward_outputs", "own_block_fn",
-    "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "other_ranges", "rest_backward_fn",
+    "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "own_share", "other_ranges",
+    "rest_backward_fn",
 ]
 
 
@@ -166,20 +167,39 @@ def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=Non
 def own_backward_fn(symmetric, backend, tile_size, weight: float):
     """The backward of the own block (this rank's queries against its own keys, which hold every
     positive) for the weight ``w`` (a constant of the graph: float32 of ``weight``) of this rank's
-    LSE terms: ``(dq float32, d key float32 [m, c], dscale float32)``. Every weight in this block
-    is this rank's own: its row terms', its positives' and its keys' column weights
-    (``column_weights``), so the block computed in the forward for the unit weight, times the
-    upstream gradient ``g``, is exact whatever the other ranks' ``g`` (``GatherInfoNCEFunction``)."""
+    LSE terms: ``(dq, d key, dscale, factor)``. Every weight in this block is this rank's own: its
+    row terms', its positives' and its keys' column weights (``column_weights``), so the block
+    computed in the forward for the unit weight, times the upstream gradient ``g``, is exact
+    whatever the other ranks' ``g`` (``GatherInfoNCEFunction``). With the Triton backend, the
+    float32 sums before their scaling pass and that pass's factor (``lse_backward_triton(unscaled=True)``:
+    the backward scales them once, with the other keys' block, ``rest_backward_fn``), ``dscale``
+    ``None``; else the float32 gradients and ``dscale``, ``factor`` ``None``."""
 
     def backward(query, key, s, row, col, labels):
         b, m = query.shape[0], key.shape[0]
         w = torch.full((), weight, device=query.device, dtype=torch.float32)
         grad_col = column_weights(w, labels, b, m) if symmetric else None
-        return lse_backward(query, key, s, row, col, w.expand(b), grad_col, labels=labels,
-                            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend,
-                            tile_size=tile_size)
+        args = (query, key, s, row, col, w.expand(b), grad_col)
+        grad_pos = (w * (-2.0 if symmetric else -1.0)).expand(b)
+        if backend == "triton":
+            from ds_infcl.ops.triton_lse import lse_backward_triton
+
+            dq, dk, factor = lse_backward_triton(*args, labels=labels, grad_pos=grad_pos, unscaled=True)
+            return dq, dk, None, factor
+        dq, dk, dscale = lse_backward(*args, labels=labels, grad_pos=grad_pos, backend=backend, tile_size=tile_size)
+        return dq, dk, dscale, None
 
     return backward
+
+
+def own_share(query, s, dq_own, ds_own, factor, g):
+    """The own block's ``(dq share, dscale share, weight of its sums)`` for the upstream gradient
+    ``g``, from ``own_backward_fn``'s outputs: its sums times ``factor g`` (Triton) or its gradients
+    times ``g``."""
+    if factor is None:
+        return dq_own * g, ds_own * g, g
+    wf = g * factor
+    return dq_own * wf, (dq_own * query.float()).sum() * (wf / s.reshape(())), wf
 
 
 def other_ranges(offset: int, m: int, num_keys: int):
@@ -193,17 +213,17 @@ def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=No
     block's share: ``(dq in the queries' dtype, d(other keys) float32 [M - m, c] in rank order,
     dscale float32)`` for the weight ``w`` (0-dim) of this rank's LSE terms and the keys' column
     weights ``grad_col`` ``[M]``, or, with ``diagonal_sizes`` (no rank passed labels), every rank's
-    ``w`` ``[W]`` from which they are formed (``diagonal_column_weights``). ``dq`` and ``dscale`` add
-    the own block's ``dq_own * g`` and ``ds_own * g`` (``own_backward_fn`` for the unit weight,
-    times the upstream gradient ``g``); with the Triton backend and one range of other keys, in
-    the pass that scales ``dq`` (``lse_backward_triton(dq_add=...)``: no pass of its own)."""
+    ``w`` ``[W]`` from which they are formed (``diagonal_column_weights``). ``dq`` and ``dscale``
+    add the own block's share for the upstream gradient ``g`` (``own_backward_fn``'s ``dq_own``,
+    ``ds_own``, ``factor``; ``own_share``): with the Triton backend and one range of other keys,
+    in the pass that scales this block's ``dq`` (``lse_backward_triton(dq_add=...)``: no pass of its own)."""
 
-    def backward(query, key_all, s, row, col, w, grad_col, dq_own, ds_own, g):
+    def backward(query, key_all, s, row, col, w, grad_col, dq_own, ds_own, factor, g):
         b = query.shape[0]
         if diagonal_sizes is not None:
             grad_col = diagonal_column_weights(grad_col, *diagonal_sizes)
         ranges = other_ranges(offset, m, key_all.shape[0])
-        fused = backend == "triton" and len(ranges) == 1
+        fused = backend == "triton" and len(ranges) == 1 and factor is not None
         dq = dscale = None
         dks = []
         for lo, hi in ranges:
@@ -212,13 +232,14 @@ def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=No
             if fused:
                 from ds_infcl.ops.triton_lse import lse_backward_triton
 
-                dq_t, dk_t, ds_t = lse_backward_triton(*args, dq_add=(torch.empty_like(query), dq_own, g))
+                dq_t, dk_t, ds_t = lse_backward_triton(*args, dq_add=(torch.empty_like(query), dq_own, g, factor))
             else:
                 dq_t, dk_t, ds_t = lse_backward(*args, backend=backend, tile_size=tile_size)
             dq, dscale = (dq_t, ds_t) if dq is None else (dq.add_(dq_t), dscale + ds_t)
             dks.append(dk_t)
         if not fused:
-            dq = torch.addcmul(dq, dq_own, g, out=torch.empty_like(query))
-        return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), torch.addcmul(dscale, ds_own, g)
+            dq_share, ds_share, _ = own_share(query, s, dq_own, ds_own, factor, g)
+            dq, dscale = torch.add(dq, dq_share, out=torch.empty_like(query)), dscale + ds_share
+        return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), dscale
 
     return backward

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from ds_infcl.loss.gather_blocks import (
-    gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, rest_backward_fn,
+    gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
+    rest_backward_fn,
 )
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import positive_logits_forward
@@ -181,7 +182,7 @@ def _own_backward(query, key, s, row, col, labels, layout: RingLayout, symmetric
         "gather_own_backward", own_backward_fn(symmetric, backend, tile_size, unit),
         (query, key, s, row, None if col is None else col[offset: offset + m], labels),
         options=(symmetric, tile_size, unit), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
-        borrow=(0, 1, 2), static=(0, 1), token=True)
+        borrow=(0, 1, 2, 3), static=(0, 1), token=True)
 
 
 def _send_key_gradients(dk_rest: torch.Tensor, layout: RingLayout, group):
@@ -280,10 +281,10 @@ class GatherInfoNCEFunction(torch.autograd.Function):
                 q_in, _, k_in = _graph_sources(fwd_token, query, key_all, key, offset)
                 own_grads, ctx.own_token = _own_backward(q_in, k_in, s, row, col, labels, layout, symmetric,
                                                          backend, tile_size)
-            else:  # no queries: this rank's own block is empty
+            else:  # no queries: this rank's own block is empty (gradients, not sums: no factor)
                 own_grads = (torch.zeros((0, query.shape[1]), device=query.device, dtype=_F32),
                              torch.zeros(key.shape, device=key.device, dtype=_F32),
-                             torch.zeros((), device=s.device, dtype=_F32))
+                             torch.zeros((), device=s.device, dtype=_F32), None)
         ctx.save_for_backward(query, key, labels, row, col, s, key_all, *own_grads)
         return loss
 
@@ -344,7 +345,7 @@ def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes
     b, m, num_keys = query.shape[0], key.shape[0], layout.num_keys
     offset = layout.key_offset()
     g = grad.detach().to(_F32)
-    dq_own, dk_own, ds_own = own_grads
+    dq_own, dk_own, ds_own, factor = own_grads  # (the own block's sums and their factor, or gradients)
     if b and num_keys > m:
         # dq and dscale come out summed with the own block's share times g. The other keys'
         # gradient is only read by the all-to-all, which this call waits for below, before any
@@ -353,21 +354,23 @@ def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes
         q_in, k_all_in, _ = _graph_sources(ctx.fwd_token, query, key_all, key, offset)
         (dq, dk_rest, dscale), graphed = run_graphed(
             "gather_backward_rest", rest_backward_fn(symmetric, backend, tile_size, offset, m, sizes),
-            (q_in, k_all_in, s, row, col, w, grad_col_all, dq_own, ds_own, g),
+            (q_in, k_all_in, s, row, col, w, grad_col_all, dq_own, ds_own, factor, g),
             options=(symmetric, tile_size, offset, m, sizes), logits=b * num_keys, backend=backend,
-            max_logits=GATHER_MAX_LOGITS, borrow=(0, 1), static=(0, 1, 7, 8), token=True)
+            max_logits=GATHER_MAX_LOGITS, borrow=(0, 1), static=(0, 1, 7, 8, 9), token=True)
         work, received = _send_key_gradients(dk_rest, layout, group)
         if graphed is not None:
             dq = dq.clone()
     else:  # zeros keep this rank in the all-to-all
         dk_rest = torch.zeros((num_keys - m, key.shape[1]), device=key.device, dtype=_F32)
         work, received = _send_key_gradients(dk_rest, layout, group)
-        dq, dscale = torch.mul(dq_own, g, out=torch.empty_like(query)), ds_own * g
+        dq, dscale, _ = own_share(query, s, dq_own, ds_own, factor, g)
+        dq = dq.to(query.dtype)
     work.wait()  # (on CUDA: the current stream waits for the exchange, the host does not)
     del dk_rest
     if layout.world > 2:
         received = received.view(layout.world - 1, m, key.shape[1]).sum(0)
-    dk = torch.addcmul(received, dk_own, g, out=torch.empty_like(key))  # (float32 sum, one rounding)
+    weight = g if factor is None else g * factor  # (the own block's sums times g s: its gradient)
+    dk = torch.addcmul(received, dk_own, weight, out=torch.empty_like(key))  # (float32 sum, one rounding)
     return _backward_outputs(ctx, dq, dk, dscale)
 
 

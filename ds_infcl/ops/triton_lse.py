@@ -609,9 +609,9 @@ def _fit_budget(b: int, m: int, c: int, rows: int, cols: int, g_dtype: torch.dty
 
 
 def _scale_out(acc, factor, out, own, ds_parts, ds_offset, block_r, add=None, add_factor=None):
-    """``out = acc * factor`` (cast to ``out``'s dtype), plus ``add * add_factor`` with ``add``, and,
-    with ``own``, the scale-gradient shares ``sum(acc * own)`` of each ``block_r`` rows at
-    ``ds_parts[ds_offset:]``."""
+    """``out = acc * factor`` (cast to ``out``'s dtype) and, with ``own``, the scale-gradient shares
+    ``sum(acc * own)`` of each ``block_r`` rows at ``ds_parts[ds_offset:]``; with ``add`` (float32),
+    ``acc + add * add_factor`` in place of ``acc`` in both."""
     rows, c = acc.shape
     with _on_device(acc):
         _scale_out_kernel[(triton.cdiv(rows, block_r),)](
@@ -647,7 +647,8 @@ def lse_backward_triton(
     exclude_positive: bool = False,
     grad_pos: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
-    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    unscaled: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq [b, c], dk [m, c], dscale [])`` of
     ``sum(grad_row * row_lse) + sum(grad_col * col_lse) + sum(grad_pos * pos)``, where ``pos_i``
@@ -660,9 +661,14 @@ def lse_backward_triton(
     accumulator of one chunk, written out in ``out_dtype`` when its chunk is done. Scratch: one
     ``CHUNK_ROWS x CHUNK_COLS`` block of ``G`` and that chunk accumulator.
 
-    ``dq_add=(out [b, c], add [b, c], add_factor [])`` (float32 ``dq``, no ``out_dtype``): ``dq`` is
-    written into ``out`` (any float dtype) as ``dq + add * add_factor`` by the pass that scales it,
-    one rounding (the gather path adds its own block's share so, ``ds_infcl.loss.gather_blocks``).
+    ``unscaled=True`` (no ``out_dtype``): ``(dq sums, dk sums, factor)``, the float32 sums
+    ``G @ key`` and ``G^T @ query`` before their scaling pass and the 0-dim factor that pass would
+    apply (``dq = sums * factor``; the scale gradient is ``sum(dq sums * query) * factor / scale``).
+    ``dq_add=(out [b, c], add [b, c], weight [], add_factor [])`` (no ``out_dtype``): ``add`` is
+    another block's ``dq`` sums with their factor (``unscaled=True``), weighted by ``weight``
+    (0-dim tensors); ``dq`` comes back in ``out`` (any float dtype) as this block's plus ``weight``
+    times that one, and ``dscale`` covers both, from the pass that scales ``dq`` (one rounding; the
+    gather path adds its own block so, ``ds_infcl.loss.gather_blocks``).
     """
     query, key = _check_inputs(query, key)
     b, c = query.shape
@@ -671,13 +677,21 @@ def lse_backward_triton(
     f32 = torch.float32
     res_dtype = out_dtype or f32
     has_row, has_col, has_pos = grad_row is not None, grad_col is not None, grad_pos is not None
-    if dq_add is not None and out_dtype is not None:
-        raise ValueError("lse_backward_triton: dq_add= needs the float32 gradients (out_dtype=None)")
+    if (dq_add is not None or unscaled) and out_dtype is not None:
+        raise ValueError("lse_backward_triton: dq_add= and unscaled=True need the float32 gradients (out_dtype=None)")
+    if dq_add is not None and unscaled:
+        raise ValueError("lse_backward_triton: dq_add= writes the scaled dq; it cannot go with unscaled=True")
     if b == 0 or m == 0 or c == 0 or not (has_row or has_col or has_pos):
-        dq = torch.zeros((b, c), device=device, dtype=res_dtype)
-        if dq_add is not None:
-            dq = torch.mul(dq_add[1], dq_add[2], out=dq_add[0])
-        return (dq, torch.zeros((m, c), device=device, dtype=res_dtype), torch.zeros((), device=device, dtype=f32))
+        dq, dk = (torch.zeros((n, c), device=device, dtype=res_dtype) for n in (b, m))
+        if unscaled:
+            return dq, dk, _scale_arg(scale, device).reshape(())
+        dscale = torch.zeros((), device=device, dtype=f32)
+        if dq_add is not None:  # only the other block's share
+            out, add, weight, add_factor = dq_add
+            dq = torch.mul(add, weight * add_factor, out=out)
+            s_t = _scale_arg(scale, device).reshape(())
+            dscale = (add * query.float()).sum() * (weight * add_factor / s_t) if b and c else dscale
+        return dq, dk, dscale
     s_t = _scale_arg(scale, device)
     # fp16 G needs its weights brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
     gs = _grad_scale(grad_row, grad_col, grad_pos) if query.dtype == torch.float16 else None
@@ -738,6 +752,9 @@ def lse_backward_triton(
         )
 
     factor = s_t / gs if gs is not None else s_t
+    if unscaled:
+        dq, dk, _ = chunked_g_products(query, key, factor, launch_g, None, flags["UPCAST"], scaled=False)
+        return dq, dk, factor.reshape(())
     dq, dk, dscale = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"], dq_add=dq_add)
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
@@ -769,7 +786,8 @@ def chunked_g_products(
     *,
     with_dscale: bool = True,
     accumulate: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    dq_add: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    scaled: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The backward's products over bounded blocks of ``G`` (shared by the InfoNCE and SigLIP ops).
 
@@ -785,8 +803,10 @@ def chunked_g_products(
     accumulators, without ``factor`` (the caller scales once when its sums are complete), and
     returned; the scratch is one block of ``G`` (see ``chunk_blocks``).
 
-    ``dq_add=(out, add, add_factor)`` (needs ``out_dtype=None``): ``dq`` comes back in ``out`` as
-    ``factor * G @ key + add * add_factor``, from the same pass (``lse_backward_triton``).
+    ``dq_add=(out, add, weight, add_factor)`` (needs ``out_dtype=None``): ``dq`` comes back in
+    ``out`` as ``factor * (G @ key) + weight * add_factor * add`` and the scale gradient covers
+    ``add`` too, from the same pass (``lse_backward_triton``). ``scaled=False`` (needs
+    ``out_dtype=None``): the float32 sums before their scaling pass, and ``None`` for ``dscale``.
     """
     b, c = query.shape
     m = key.shape[0]
@@ -795,8 +815,8 @@ def chunked_g_products(
     res_dtype = out_dtype or f32
     if accumulate is not None and (out_dtype is not None or with_dscale):
         raise ValueError("chunked_g_products: accumulate= needs out_dtype=None and with_dscale=False")
-    if dq_add is not None and (out_dtype is not None or accumulate is not None):
-        raise ValueError("chunked_g_products: dq_add= needs out_dtype=None and no accumulate=")
+    if (dq_add is not None or not scaled) and (out_dtype is not None or accumulate is not None):
+        raise ValueError("chunked_g_products: dq_add= and scaled=False need out_dtype=None and no accumulate=")
     # G in the operands' dtype so the products run on the tensor cores; fp32 for bf16 under the
     # interpreter, whose bf16 dot is wrong.
     g_dtype = f32 if upcast else query.dtype
@@ -848,7 +868,7 @@ def chunked_g_products(
             out, own = (dq, query) if rows_outer else (dk, key)
             _scale_out(acc, factor, out[o0:o0 + on], own[o0:o0 + on] if with_dscale else None, ds_parts,
                        o0 // block_r, block_r)
-    if accumulate is not None:
+    if accumulate is not None or not scaled:
         return dq, dk, None
     # The whole accumulators: scaled into res_dtype (in place for float32); with both whole, the
     # scale gradient comes from dq.
@@ -856,9 +876,10 @@ def chunked_g_products(
         own = query if (out_dtype is None and with_dscale) else None
         if dq_add is None:
             dq = _scale_out_whole(dq, factor, res_dtype, block_r, own, ds_parts)
-        else:
-            _scale_out(dq, factor, dq_add[0], own, ds_parts, 0, block_r, dq_add[1], dq_add[2].float())
-            dq = dq_add[0]
+        else:  # the other block's sums join before the scale: weight * add_factor / factor
+            out, add, weight, add_factor = dq_add
+            _scale_out(dq, factor, out, own, ds_parts, 0, block_r, add, (weight * add_factor / factor).float())
+            dq = out
     if full_k:
         dk = _scale_out_whole(dk, factor, res_dtype, block_r)
     if not with_dscale:

@@ -517,11 +517,12 @@ def _scale_out_kernel(acc_ptr, factor_ptr, out_ptr, own_ptr, ds_ptr, add_ptr, ad
                       stride_add, ds_offset, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_DOT: tl.constexpr,
                       HAS_ADD: tl.constexpr):
     """``out = acc * factor`` (rounded once into the dtype of ``out``; in place when ``out`` is
-    ``acc``) for ``rows`` rows of a float32 accumulator; with ``HAS_ADD`` plus ``add * add_factor``
-    (float32 arithmetic, one rounding: the gather path's two shares of ``dq``); with ``HAS_DOT`` also
-    this block's share of the scale gradient, ``sum(acc * own)`` (before scaling), at
-    ``ds_ptr[ds_offset + block]``."""
+    ``acc``) for ``rows`` rows of a float32 accumulator; with ``HAS_ADD``, ``acc`` stands for
+    ``acc + add * add_factor`` throughout (another block's sums, before the scale: the gather path's
+    two blocks of ``dq``); with ``HAS_DOT`` also this block's share of the scale gradient,
+    ``sum(acc * own)`` (before scaling), at ``ds_ptr[ds_offset + block]``."""
     pid = tl.program_id(0)
+    factor = tl.load(factor_ptr)
     offs_r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
     offs_c = tl.arange(0, BLOCK_C)
@@ -530,15 +531,14 @@ def _scale_out_kernel(acc_ptr, factor_ptr, out_ptr, own_ptr, ds_ptr, add_ptr, ad
         ok = r_ok[:, None] & ((c0 + offs_c) < c)[None, :]
         idx = offs_r.to(tl.int64)[:, None] * c + (c0 + offs_c)[None, :]
         acc = tl.load(acc_ptr + idx, mask=ok, other=0.0)
+        if HAS_ADD:
+            add = tl.load(add_ptr + offs_r.to(tl.int64)[:, None] * stride_add + (c0 + offs_c)[None, :],
+                          mask=ok, other=0.0)
+            acc += add * tl.load(add_factor_ptr)
         if HAS_DOT:
             own = tl.load(own_ptr + offs_r.to(tl.int64)[:, None] * stride_own + (c0 + offs_c)[None, :],
                           mask=ok, other=0.0)
             dot += tl.sum(acc * own.to(tl.float32), axis=1)
-        res = acc * tl.load(factor_ptr)
-        if HAS_ADD:
-            add = tl.load(add_ptr + offs_r.to(tl.int64)[:, None] * stride_add + (c0 + offs_c)[None, :],
-                          mask=ok, other=0.0)
-            res += add.to(tl.float32) * tl.load(add_factor_ptr)
-        tl.store(out_ptr + idx, res.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + idx, (acc * factor).to(out_ptr.dtype.element_ty), mask=ok)
     if HAS_DOT:
         tl.store(ds_ptr + ds_offset + pid, tl.sum(dot, axis=0))

@@ -456,24 +456,43 @@ def test_bad_tuning_settings_name_their_form(monkeypatch, name, value, form):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,m,c", [(1, 40, 24), (70, 33, 72)])
-def test_backward_dq_add_sums_a_second_share_in_the_scaling_pass(dtype, b, m, c):
-    # dq_add=(out, add, g): dq written into out as dq + add * g in the pass that scales dq (the
-    # gather path's own block share); dk and dscale as without it. fp16 takes its power-of-two
-    # weight scale through the same pass.
+def test_backward_unscaled_sums_and_dq_add_of_a_second_block(dtype, b, m, c):
+    # unscaled=True: the float32 sums before the scaling pass and its factor (fp16: the scale over
+    # the power-of-two weight scale). dq_add=(out, sums, g, factor): this block's dq plus g times
+    # the other block's, written in out by the pass that scales dq, and dscale of both (the
+    # gather path's own block and the other keys' block).
     q, k = (x.to(dtype) for x in features(b, m, c, seed=5))
+    _, k2 = (x.to(dtype) for x in features(b, m + 7, c, seed=6))
     s = torch.tensor(9.0)
     row, col = triton_lse.lse_forward_triton(q, k, s)
+    _, col2 = triton_lse.lse_forward_triton(q, k2, s)
     w_row = torch.full((b,), 0.3)
-    w_col = torch.linspace(0.1, 0.5, m)
-    plain = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col)
-    add = torch.randn(b, c, generator=torch.Generator().manual_seed(7))
+    plain = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, torch.linspace(0.1, 0.5, m))
+    other = (q, k2, s, row, col2, w_row * 2, torch.linspace(0.2, 0.4, m + 7))
+    other_plain = triton_lse.lse_backward_triton(*other)
+    sums_q, sums_k, factor = triton_lse.lse_backward_triton(*other, unscaled=True)
+    assert factor.shape == () and sums_q.dtype == sums_k.dtype == torch.float32
+    assert torch.equal(sums_q * factor, other_plain[0]) and torch.equal(sums_k * factor, other_plain[1])
+    ds_other = (sums_q.double() * q.double()).sum() * factor.double() / 9.0
+    assert abs(ds_other - other_plain[2].double()) <= 1e-5 * max(1.0, abs(other_plain[2].item()))
     g = torch.tensor(-1.75)
     out = torch.empty(b, c, dtype=dtype)
-    got = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col, dq_add=(out, add, g))
-    assert got[0] is out
-    want = (plain[0].double() + add.double() * g.double()).to(dtype)
-    tol = 0.0 if dtype == torch.float32 else 1.0  # one rounding of a float32 sum, in ulps of dtype
-    assert (got[0].double() - want.double()).abs().max() <= tol * want.double().abs().max() * torch.finfo(dtype).eps + 1e-6
-    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+    got = triton_lse.lse_backward_triton(q, k, s, row, col, w_row, torch.linspace(0.1, 0.5, m),
+                                         dq_add=(out, sums_q, g, factor))
+    assert got[0] is out and torch.equal(got[1], plain[1])
+    want = plain[0].double() + other_plain[0].double() * g.double()
+    scale = max(plain[0].abs().max().item(), other_plain[0].abs().max().item() * 1.75)
+    # float32 sums, one rounding into dtype (fp32: a few ulps of the sums)
+    assert (got[0].double() - want).abs().max() <= torch.finfo(dtype).eps * want.abs().max() + 1e-6 * scale
+    want_ds = plain[2].double() + other_plain[2].double() * g.double()
+    assert abs(got[2].double() - want_ds) <= 1e-5 * max(1.0, abs(want_ds.item()))
+    # a block without keys: only the other block's share
+    empty = triton_lse.lse_backward_triton(q, k[:0], s, row, None, w_row, None, dq_add=(torch.empty_like(out), sums_q, g, factor))
+    assert (empty[0].double() - other_plain[0].double() * g.double()).abs().max() <= torch.finfo(dtype).eps * scale + 1e-7
+    assert abs(empty[2].double() - other_plain[2].double() * g.double()) <= 1e-5 * max(1.0, abs(other_plain[2].item()))
+    sums0 = triton_lse.lse_backward_triton(q, k[:0], s, row, None, w_row, None, unscaled=True)
+    assert sums0[0].abs().sum() == 0 and sums0[1].shape == (0, c) and sums0[2].item() == 9.0
     with pytest.raises(ValueError, match="out_dtype=None"):
-        triton_lse.lse_backward_triton(q, k, s, row, col, w_row, w_col, out_dtype=dtype, dq_add=(out, add, g))
+        triton_lse.lse_backward_triton(q, k, s, row, col, w_row, None, out_dtype=dtype, dq_add=(out, sums_q, g, factor))
+    with pytest.raises(ValueError, match="cannot go with unscaled"):
+        triton_lse.lse_backward_triton(q, k, s, row, col, w_row, None, unscaled=True, dq_add=(out, sums_q, g, factor))

@@ -38,19 +38,24 @@ LAYOUTS = {
 
 
 # The algorithms: the ring, the gather path, and the gather path with its own block's backward
-# run in the forward (``own_backward_early``, off at these sizes by default).
-ALGORITHMS = (("gather", False), ("gather", True), ("ring", False))
+# run in the forward (``own_backward_early``, off at these sizes by default), with the torch
+# backend and with the Triton kernels (interpreted: the own block's sums scaled once with the
+# other keys' block, in the pass that scales dq on the end ranks, by ``own_share`` on the middle
+# one, whose other keys are two ranges).
+ALGORITHMS = (("gather", False, "torch"), ("gather", True, "torch"), ("gather", True, "triton"), ("ring", False, "torch"))
 
 
 def _cases():
     cases = []
     for layout in LAYOUTS:
         for sym in (True, False):
-            for alg, own_early in ALGORITHMS:
-                cases.append(dict(layout=layout, symmetric=sym, algorithm=alg, own_early=own_early, dtype="fp32"))
+            for alg, own_early, backend in ALGORITHMS:
+                cases.append(dict(layout=layout, symmetric=sym, algorithm=alg, own_early=own_early, dtype="fp32",
+                                  backend=backend))
     for dtype in ("bf16", "fp16"):
-        for alg, own_early in ALGORITHMS:
-            cases.append(dict(layout="duplicates", symmetric=True, algorithm=alg, own_early=own_early, dtype=dtype))
+        for alg, own_early, backend in ALGORITHMS:
+            cases.append(dict(layout="duplicates", symmetric=True, algorithm=alg, own_early=own_early, dtype=dtype,
+                              backend=backend))
     return cases
 
 
@@ -85,7 +90,7 @@ def _worker(rank, world, cases):
         q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
         s = torch.nn.Parameter(torch.full((1,), SCALE))  # a one-element parameter, as a module's
         loss = contrastive_loss(q, k, s, labels, symmetric=case["symmetric"], impl="infcl",
-                                backend="torch", tile_size=2)
+                                backend=case["backend"], tile_size=2)
         loss.backward(retain_graph=True)
         first = (q.grad.clone(), k.grad.clone(), s.grad.clone())
         loss.backward()  # the retained graph again: every gradient doubles
