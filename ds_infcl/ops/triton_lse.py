@@ -684,7 +684,7 @@ def lse_backward_triton(
     if b == 0 or m == 0 or c == 0 or not (has_row or has_col or has_pos):
         dq, dk = (torch.zeros((n, c), device=device, dtype=res_dtype) for n in (b, m))
         if unscaled:
-            return dq, dk, _scale_arg(scale, device).reshape(())
+            return dq, dk, _scale_arg(scale, device).reshape(()).clone()
         dscale = torch.zeros((), device=device, dtype=f32)
         if dq_add is not None:  # only the other block's share
             out, add, weight, add_factor = dq_add
@@ -754,7 +754,7 @@ def lse_backward_triton(
     factor = s_t / gs if gs is not None else s_t
     if unscaled:
         dq, dk, _ = chunked_g_products(query, key, factor, launch_g, None, flags["UPCAST"], scaled=False)
-        return dq, dk, factor.reshape(())
+        return dq, dk, factor.reshape(()).clone()  # (not a view of the scale: callers save it for autograd)
     dq, dk, dscale = chunked_g_products(query, key, factor, launch_g, out_dtype, flags["UPCAST"], dq_add=dq_add)
     return dq, dk, (dscale / gs if gs is not None else dscale)
 
