@@ -26,8 +26,8 @@ from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 
 __all__ = [
-    "lse_over_ranks", "merge_fn", "diagonal_column_weights", "gather_forward_fn", "forward_outputs", "own_block_fn",
-    "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "own_share", "other_ranges",
+    "lse_over_ranks", "merge_fn", "diagonal_column_weights", "positive_weight", "gather_forward_fn", "forward_outputs",
+    "own_block_fn", "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "own_share", "other_ranges",
     "rest_backward_fn",
 ]
 
@@ -76,6 +76,12 @@ def diagonal_column_weights(w_all: torch.Tensor, query_sizes, key_sizes) -> torc
         if m > b:
             pieces.append(w_all.new_zeros((m - b,)))
     return torch.cat(pieces)
+
+
+def positive_weight(w: torch.Tensor, b: int, symmetric: bool) -> torch.Tensor:
+    """The upstream weight ``[b]`` (expanded) of each positive logit for the weight ``w`` (0-dim) of
+    the LSE terms: ``-w`` per direction it appears in (the loss subtracts it from each)."""
+    return (w * (-2.0 if symmetric else -1.0)).expand(b)
 
 
 def gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
@@ -158,7 +164,7 @@ def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=Non
             labels = torch.arange(offset, offset + b, device=query.device)
         dq, dk_all, dscale = lse_backward(
             query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
-            grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b), backend=backend, tile_size=tile_size)
+            grad_pos=positive_weight(w, b, symmetric), backend=backend, tile_size=tile_size)
         return dq.to(query.dtype), dk_all, dscale
 
     return backward
@@ -180,7 +186,7 @@ def own_backward_fn(symmetric, backend, tile_size, weight: float):
         w = torch.full((), weight, device=query.device, dtype=torch.float32)
         grad_col = column_weights(w, labels, b, m) if symmetric else None
         args = (query, key, s, row, col, w.expand(b), grad_col)
-        grad_pos = (w * (-2.0 if symmetric else -1.0)).expand(b)
+        grad_pos = positive_weight(w, b, symmetric)
         if backend == "triton":
             from ds_infcl.ops.triton_lse import lse_backward_triton
 

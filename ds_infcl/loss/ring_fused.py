@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ds_infcl.loss.gather_blocks import (
     gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
-    rest_backward_fn,
+    positive_weight, rest_backward_fn,
 )
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import positive_logits_forward
@@ -404,7 +404,7 @@ class RingInfoNCEFunction(torch.autograd.Function):
         grad_col = column_weights(w, labels, b, m) if symmetric else None
         dq, dk, ds = _ring_backward(
             query, key, s, labels, False, symmetric, backend, tile_size, layout, group, row, col,
-            w.expand(b), grad_col, grad_pos=(w * (-2.0 if symmetric else -1.0)).expand(b),
+            w.expand(b), grad_col, grad_pos=positive_weight(w, b, symmetric),
         )
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None

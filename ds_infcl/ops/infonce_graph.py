@@ -49,8 +49,8 @@ import torch
 
 from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs", "CUDA_GRAPH",
-           "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
+           "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
 _MODES = ("auto", "1", "0")

@@ -487,8 +487,10 @@ def test_backward_unscaled_sums_and_dq_add_of_a_second_block(dtype, b, m, c):
     want_ds = plain[2].double() + other_plain[2].double() * g.double()
     assert abs(got[2].double() - want_ds) <= 1e-5 * max(1.0, abs(want_ds.item()))
     # a block without keys: only the other block's share
-    empty = triton_lse.lse_backward_triton(q, k[:0], s, row, None, w_row, None, dq_add=(torch.empty_like(out), sums_q, g, factor))
-    assert (empty[0].double() - other_plain[0].double() * g.double()).abs().max() <= torch.finfo(dtype).eps * scale + 1e-7
+    empty = triton_lse.lse_backward_triton(q, k[:0], s, row, None, w_row, None,
+                                           dq_add=(torch.empty_like(out), sums_q, g, factor))
+    err = (empty[0].double() - other_plain[0].double() * g.double()).abs().max()
+    assert err <= torch.finfo(dtype).eps * scale + 1e-7
     assert abs(empty[2].double() - other_plain[2].double() * g.double()) <= 1e-5 * max(1.0, abs(other_plain[2].item()))
     sums0 = triton_lse.lse_backward_triton(q, k[:0], s, row, None, w_row, None, unscaled=True)
     assert sums0[0].abs().sum() == 0 and sums0[1].shape == (0, c) and sums0[2].item() == 9.0

@@ -42,7 +42,8 @@ LAYOUTS = {
 # backend and with the Triton kernels (interpreted: the own block's sums scaled once with the
 # other keys' block, in the pass that scales dq on the end ranks, by ``own_share`` on the middle
 # one, whose other keys are two ranges).
-ALGORITHMS = (("gather", False, "torch"), ("gather", True, "torch"), ("gather", True, "triton"), ("ring", False, "torch"))
+ALGORITHMS = (("gather", False, "torch"), ("gather", True, "torch"), ("gather", True, "triton"),
+              ("ring", False, "torch"))
 
 
 def _cases():
