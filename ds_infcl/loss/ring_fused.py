@@ -38,7 +38,9 @@ positive logit.
   runs in the forward, for the unit weight: every weight in that block is its rank's ``w`` (its
   row terms', its positives', its keys' column weights), so it is exact times ``g``, whatever
   the other ranks' ``g``. The backward then covers the other ranks' keys and sends their
-  gradient to its owners by one all-to-all (no reduce-scatter of all ``M`` rows).
+  gradient to its owners by one all-to-all (no reduce-scatter of all ``M`` rows). With the Triton
+  kernels the own block hands over its float32 sums before their scaling pass, and the other
+  keys' block scales both in one pass over ``dq`` (``gather_blocks.rest_backward_fn``).
 - Ring (``RingInfoNCEFunction``): ``ds_infcl.loss.ring``'s forward and backward ring steps with
   ``a = w``, ``b_j = w * #{i : l_i = j}`` and the positive terms on the own block.
 
@@ -228,9 +230,9 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     Every logit is computed once per pass, for both directions, as in the ring. Holds the gathered
     keys and, in the backward, their float32 gradient: ``M c (e + 4)`` bytes for ``e``-byte
     features (``choose_algorithm`` caps it). With the own block's backward in the forward, also
-    its float32 gradients, ``(b + m) c 4`` bytes, between the passes; in the backward, instead of
-    the ``M c`` float32 gradient, the other keys' ``(M - m) c`` and what the all-to-all receives,
-    ``(W - 1) m c``: the same on 2 ranks of equal sizes, up to twice that on more."""
+    its float32 gradients (or sums), ``(b + m) c 4`` bytes, between the passes; in the backward,
+    instead of the ``M c`` float32 gradient, the other keys' ``(M - m) c`` and what the all-to-all
+    receives, ``(W - 1) m c``: the same on 2 ranks of equal sizes, up to twice that on more."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None,
