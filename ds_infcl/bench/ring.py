@@ -20,6 +20,12 @@ forward and backward (``check_finite=False``). Reported per point, over the rank
 - ``weak_eff`` (``infcl``): the single-GPU time of the same loss on the global batch ``W * b``
   (every GPU runs it alone at once, the fastest counts) divided by ``W``, over the ring's time.
 
+``--paired N --base REV`` adds the row ``infcl@REV``: the ``infcl`` loss of another version of
+this package (a git revision of this checkout, or a folder holding its ``ds_infcl/``), imported
+beside the current one (``ds_infcl.bench.base_tree``) and timed in the same rounds, with its own
+single-GPU reference for its weak scaling: a change against the code before it, on one machine
+at one time.
+
 Baselines materialize float32 logits (they upcast bf16 features for exact gradients); TF32
 matmuls are allowed for them unless ``--no-tf32``. Points whose logits would not fit in free
 memory are skipped (``skipped``); an out-of-memory error gives ``oom``. Rank 0 writes
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import os
 import re
 import time
@@ -48,6 +55,8 @@ _PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
 # default: the paired comparison of docs/distributed.md, "The own block's backward in the forward".
 _OWN_BACKWARD = {"infcl_own_early": 0, "infcl_own_late": 1 << 62}
 CHOICES = IMPLS + tuple(_OWN_BACKWARD)
+# The other version's infcl under --base (ds_infcl.bench.base_tree); its table row is infcl@REV.
+BASE_IMPL = "infcl_base"
 FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "backend", "ms",
           "extra_gib", "tflops", "single_gpu_ms", "weak_eff", "status"]
 
@@ -115,6 +124,10 @@ def _make_step(impl, b, c, dtype, group, args):
     scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
     q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
     pinned, own_min = _PINNED.get(impl), _OWN_BACKWARD.get(impl)
+    if impl == BASE_IMPL:  # the other version's loss (--base), as its users call it
+        loss_fn, impl = importlib.import_module(f"{args.base_module.__name__}.loss").contrastive_loss, "infcl"
+    else:
+        loss_fn = contrastive_loss
     if pinned is not None or own_min is not None:
         impl = "infcl"
     from ds_infcl.loss import ring as ring_mod
@@ -129,8 +142,8 @@ def _make_step(impl, b, c, dtype, group, args):
             if own_min is not None:  # (read in the forward, which decides for the backward)
                 ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
             try:
-                loss = contrastive_loss(q, k, scale, symmetric=True, impl=impl, backend=args.backend,
-                                        group=group, check_finite=False)
+                loss = loss_fn(q, k, scale, symmetric=True, impl=impl, backend=args.backend, group=group,
+                               check_finite=False)
             finally:
                 if pinned is not None:
                     os.environ.pop("DS_INFCL_ALGORITHM", None)
@@ -239,16 +252,22 @@ def run_paired(b, impls, c, dtype, solo, args):
     Separate runs of one point spread by 0.3 ms at 16k rows per GPU and by more than the two
     losses differ at 4k (2 x H100, docs/distributed.md); paired, the differences stand out."""
     from ds_infcl.ops import infonce_graph
-    from ds_infcl.ops.infonce_graph import clear_graphs
 
     world = dist.get_world_size()
     variants = [(impl, None, b) for impl in impls]
     if world > 1 and not args.no_weak_scaling and any(i.startswith("infcl") for i in impls):
         variants.append(("single", solo, world * b))
-    clear_graphs()
+        if BASE_IMPL in impls:  # the other version's own single-GPU reference
+            variants.append(("single_base", solo, world * b))
+    graph_modules = [infonce_graph]
+    if BASE_IMPL in impls:
+        graph_modules.append(importlib.import_module(f"{args.base_module.__name__}.ops.infonce_graph"))
+    for module in graph_modules:
+        module.clear_graphs()
     # Every variant keeps the graphs it would capture alone (each infcl variant up to MAX_GRAPHS).
-    saved_max = infonce_graph.MAX_GRAPHS
-    infonce_graph.MAX_GRAPHS = saved_max * max(1, len(variants))
+    saved_max = [module.MAX_GRAPHS for module in graph_modules]
+    for module, most in zip(graph_modules, saved_max):
+        module.MAX_GRAPHS = most * max(1, len(variants))
     oom = torch.cuda.OutOfMemoryError if _DEVICE == "cuda" else MemoryError
     steps, out, extra = {}, {}, {}
     try:
@@ -256,7 +275,8 @@ def run_paired(b, impls, c, dtype, solo, args):
             status = "oom"
             start_memory, extra_gib = _memory_probe()
             try:
-                step, status = _make_step("infcl" if name == "single" else name, rows, c, dtype, group, args)
+                impl = {"single": "infcl", "single_base": BASE_IMPL}.get(name, name)
+                step, status = _make_step(impl, rows, c, dtype, group, args)
                 if step is not None:
                     _warm_up(step, group, args, after_first=start_memory)
                     extra[name] = extra_gib()
@@ -279,12 +299,13 @@ def run_paired(b, impls, c, dtype, solo, args):
                 times[name] += [_timed(steps[name]) for _ in range(args.paired_calls)]
         for name in names:
             med = _quantile(times[name], 0.5)
-            op = dist.ReduceOp.MIN if name == "single" else dist.ReduceOp.MAX
+            op = dist.ReduceOp.MIN if name.startswith("single") else dist.ReduceOp.MAX
             out[name] = (_all_reduce(med, op, None), _all_reduce(extra[name], dist.ReduceOp.MAX, None), "ok")
     finally:
-        infonce_graph.MAX_GRAPHS = saved_max
+        for module, most in zip(graph_modules, saved_max):
+            module.MAX_GRAPHS = most
+            module.clear_graphs()
         steps = None
-        clear_graphs()
         if _DEVICE == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -333,12 +354,27 @@ def main(argv=None) -> int:
                     help="time every impl and the single-GPU reference in the same rounds, ROUNDS of them, "
                          "the order rotating (the paired comparison; memory over each impl's warm-up)")
     ap.add_argument("--paired-calls", type=int, default=12, help="isolated steps per impl and round (--paired)")
+    ap.add_argument("--base", default=None, metavar="REV_OR_FOLDER",
+                    help="with --paired: also time infcl of another version of this package (a git revision "
+                         "of this checkout, or a folder holding its ds_infcl/) in the same rounds, as infcl@REV")
     ap.add_argument("--no-weak-scaling", action="store_true", help="skip the single-GPU runs")
     ap.add_argument("--no-tf32", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the CSV (rank 0)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run on CPU processes with gloo (checks the script, not the numbers)")
     args = ap.parse_args(argv)
+    if args.base is not None and not args.paired:
+        ap.error("--base compares the two versions in the same rounds: add --paired ROUNDS")
+    impls = list(args.impls)
+    args.base_module = None
+    if args.base is not None:
+        from ds_infcl.bench.base_tree import load_base
+
+        try:  # before the process group: a bad --base stops every rank alike, at once
+            args.base_module = load_base(args.base)
+        except ValueError as err:
+            ap.error(str(err))
+        impls.append(BASE_IMPL)
 
     global _DEVICE
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -361,12 +397,12 @@ def main(argv=None) -> int:
     rows = []
     single_ms = {}
     for b in args.batch:
-        paired = run_paired(b, args.impls, args.dim, dtype, solo, args) if args.paired else None
+        paired = run_paired(b, impls, args.dim, dtype, solo, args) if args.paired else None
         if paired is not None:
             paired_algorithm = paired.pop("algorithm", None)
             if "single" in paired:
                 single_ms[b] = paired["single"][0]
-        for impl in args.impls:
+        for impl in impls:
             if paired is not None:
                 ms, extra, status = paired[impl]
             else:
@@ -378,11 +414,12 @@ def main(argv=None) -> int:
                     # Ranks ran alone: agree on the status before reducing the times (no hang).
                     ok = _all_reduce(float(s_status == "ok"), dist.ReduceOp.MIN, None)
                     single_ms[b] = _all_reduce(s_ms, dist.ReduceOp.MIN, None) if ok else float("nan")
-                single = single_ms[b]
+                single = single_ms[b] if impl != BASE_IMPL else paired.get("single_base", (float("nan"),))[0]
                 eff = single / world / ms
             flops = 8 * b * world * b * args.dim
+            name = impl if impl != BASE_IMPL else f"infcl@{args.base_module._base_label}"
             row = dict(gpu=gpu, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), world=world,
-                       impl=impl, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
+                       impl=name, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
                        backend=backend if impl.startswith("infcl") else
                        ("open_clip ClipLoss (local, gather_with_grad)" if impl == "openclip" else "torch (fp32 logits)"),
                        ms=ms,

@@ -1,6 +1,6 @@
 """``python -m ds_infcl.bench.ring --cpu-smoke`` on 2 gloo ranks, as the GPU runs use it: the table
 and the CSV, point by point and ``--paired`` (every impl and the single-GPU reference in the same
-rounds). Checks the script, not the numbers; among that, that the ranks run the same number of
+rounds), and ``--paired --base`` (another version of the package in the same rounds). Checks the script, not the numbers; among that, that the ranks run the same number of
 steps of a point (a rank with more would post collectives nobody answers: a hang, which the
 point-by-point mode could hit when the ranks' first steps straddled ``--seconds-per-point / --reps``;
 timing-dependent, it hung this test once before the fix)."""
@@ -8,6 +8,7 @@ timing-dependent, it hung this test once before the fix)."""
 import csv
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -26,8 +27,8 @@ def _run(tmp_path, *extra, impls=("infcl", "infcl_ring", "local")):
            "--out", str(tmp_path), *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = {r[0]: r for r in re.findall(r"^\| (\w+) \| 12 \| 24 \| ([0-9.]+) \| (\S+) \| [0-9.]+ \| (\S+) \| (\S+) \| "
-                                         r"(.+?) \|$", out.stdout, re.M)}
+    rows = {r[0]: r for r in re.findall(r"^\| ([\w@.~-]+) \| 12 \| 24 \| ([0-9.]+) \| (\S+) \| [0-9.]+ \| (\S+) \| "
+                                         r"(\S+) \| (.+?) \|$", out.stdout, re.M)}
     with open(os.path.join(tmp_path, "ring_cpu-smoke_w2.csv")) as f:
         saved = list(csv.DictReader(f))
     return rows, saved
@@ -87,3 +88,39 @@ def test_the_own_block_pins_take_effect():
 
     for out in spawn(_pin_worker, 2, None, timeout=120):
         assert out == {"infcl_own_early": ("ok", 1), "infcl_own_late": ("ok", 0), "infcl": ("ok", 0)}, out
+
+
+def test_ring_bench_times_another_version_in_the_same_rounds(tmp_path):
+    """``--base FOLDER`` (a copy of this package's tree here) and ``--base REV`` (a revision of the
+    git checkout): that version's infcl runs as ``infcl@NAME`` in the same rounds, imported beside
+    the current one, with its own single-GPU reference for its weak scaling."""
+    base = tmp_path / "before"
+    shutil.copytree(os.path.join(REPO, "ds_infcl"), base / "ds_infcl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    rows, saved = _run(tmp_path, "--paired", "1", "--paired-calls", "2", "--base", str(base), impls=("infcl",))
+    assert set(rows) == {"infcl", "infcl@before"}, rows
+    assert [r["impl"] for r in saved] == ["infcl", "infcl@before"]
+    for impl in rows:
+        assert rows[impl][5].endswith("(paired, 1 x 2 calls)") and float(rows[impl][3]) > 0, rows[impl]
+        assert rows[impl][4].endswith("%"), rows[impl]
+    if not os.path.isdir(os.path.join(REPO, ".git")):
+        pytest.skip("not a git checkout: --base REV needs one")
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows, _ = _run(tmp_path, "--paired", "1", "--paired-calls", "2", "--base", "HEAD", impls=("infcl",))
+    assert set(rows) == {"infcl", f"infcl@{head}"}, rows
+
+
+def test_ring_bench_base_errors_name_the_fix(tmp_path):
+    from ds_infcl.bench.base_tree import load_base, rename_imports
+
+    assert rename_imports("from ds_infcl.loss import x\nimport ds_infcl\nDS_INFCL_X = 'ds_infcl_base'") == (
+        "from ds_infcl_base.loss import x\nimport ds_infcl_base\nDS_INFCL_X = 'ds_infcl_base'")
+    with pytest.raises(ValueError, match="holds no ds_infcl/ package"):
+        load_base(str(tmp_path))
+    if os.path.isdir(os.path.join(REPO, ".git")):
+        with pytest.raises(ValueError, match="neither a folder nor a revision"):
+            load_base("no-such-revision-anywhere")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--base", "HEAD"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "add --paired ROUNDS" in out.stderr, out.stderr[-2000:]
