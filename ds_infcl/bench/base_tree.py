@@ -14,6 +14,7 @@ graph caches and settings (read from the same environment).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import io
 import os
@@ -78,6 +79,7 @@ def load_base(spec: str) -> ModuleType:
                              f"one base version per process (asked for {spec!r})")
         return loaded
     tmp = tempfile.mkdtemp(prefix="ds_infcl_base_")
+    atexit.register(shutil.rmtree, tmp, True)  # (read by lazy imports until then)
     if os.path.isdir(spec):
         src = os.path.join(spec, "ds_infcl")
         if not os.path.isfile(os.path.join(src, "__init__.py")):
