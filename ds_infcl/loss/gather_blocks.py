@@ -27,7 +27,8 @@ from ds_infcl.ops.infonce import column_weights
 
 __all__ = [
     "lse_over_ranks", "merge_fn", "diagonal_column_weights", "positive_weight", "gather_forward_fn", "forward_outputs",
-    "own_block_fn", "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "own_share", "other_ranges",
+    "own_block_fn", "gather_rest_fn", "gather_backward_fn", "own_backward_fn", "own_sums_weight", "own_share",
+    "other_ranges",
     "rest_backward_fn",
 ]
 
@@ -198,14 +199,20 @@ def own_backward_fn(symmetric, backend, tile_size, weight: float):
     return backward
 
 
+def own_sums_weight(factor, g):
+    """What ``own_backward_fn``'s ``dq`` / ``d key`` are multiplied by for the upstream gradient
+    ``g``: ``g`` times their ``factor`` (Triton: unscaled sums), else ``g``."""
+    return g if factor is None else g * factor
+
+
 def own_share(query, s, dq_own, ds_own, factor, g):
-    """The own block's ``(dq share, dscale share, weight of its sums)`` for the upstream gradient
-    ``g``, from ``own_backward_fn``'s outputs: its sums times ``factor g`` (Triton) or its gradients
-    times ``g``."""
+    """The own block's ``(dq share, dscale share)`` for the upstream gradient ``g``, from
+    ``own_backward_fn``'s outputs (``own_sums_weight``; Triton: ``unscaled_share``)."""
     if factor is None:
-        return dq_own * g, ds_own * g, g
-    wf = g * factor
-    return dq_own * wf, (dq_own * query.float()).sum() * (wf / s.reshape(())), wf
+        return dq_own * g, ds_own * g
+    from ds_infcl.ops.triton_lse import unscaled_share
+
+    return unscaled_share(dq_own, query, s, own_sums_weight(factor, g))
 
 
 def other_ranges(offset: int, m: int, num_keys: int):
@@ -244,7 +251,7 @@ def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=No
             dq, dscale = (dq_t, ds_t) if dq is None else (dq.add_(dq_t), dscale + ds_t)
             dks.append(dk_t)
         if not fused:
-            dq_share, ds_share, _ = own_share(query, s, dq_own, ds_own, factor, g)
+            dq_share, ds_share = own_share(query, s, dq_own, ds_own, factor, g)
             dq, dscale = torch.add(dq, dq_share, out=torch.empty_like(query)), dscale + ds_share
         return dq, (dks[0] if len(dks) == 1 else torch.cat(dks)), dscale
 

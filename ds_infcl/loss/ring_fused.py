@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from ds_infcl.loss.gather_blocks import (
     gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
-    positive_weight, rest_backward_fn,
+    own_sums_weight, positive_weight, rest_backward_fn,
 )
 from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
 from ds_infcl.ops import positive_logits_forward
@@ -109,10 +109,14 @@ def _share_and_sum(row, col_pos, pos, layout: RingLayout, group, device) -> torc
     return share.reshape(())
 
 
+def _weight_factor(layout: RingLayout, symmetric: bool) -> float:
+    """``W f / B``: the weight ``w`` of the upstream gradient ``g = 1`` (see module doc)."""
+    return layout.world * (0.5 if symmetric else 1.0) / layout.num_queries
+
+
 def _weight(grad: torch.Tensor, layout: RingLayout, symmetric: bool) -> torch.Tensor:
     """``w = g W f / B`` as a 0-dim float32 tensor (see module doc)."""
-    factor = layout.world * (0.5 if symmetric else 1.0) / layout.num_queries
-    return (grad if grad.dtype == _F32 else grad.float()) * factor
+    return (grad if grad.dtype == _F32 else grad.float()) * _weight_factor(layout, symmetric)
 
 
 def _gather_payloads(payload: torch.Tensor, layout: RingLayout, group) -> torch.Tensor:
@@ -179,7 +183,7 @@ def _own_backward(query, key, s, row, col, labels, layout: RingLayout, symmetric
     again (a local computation: ranks may differ in that)."""
     b, m = query.shape[0], key.shape[0]
     offset = layout.key_offset()
-    unit = layout.world * (0.5 if symmetric else 1.0) / layout.num_queries  # _weight of g = 1
+    unit = _weight_factor(layout, symmetric)
     return run_graphed(
         "gather_own_backward", own_backward_fn(symmetric, backend, tile_size, unit),
         (query, key, s, row, None if col is None else col[offset: offset + m], labels),
@@ -365,14 +369,13 @@ def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes
     else:  # zeros keep this rank in the all-to-all
         dk_rest = torch.zeros((num_keys - m, key.shape[1]), device=key.device, dtype=_F32)
         work, received = _send_key_gradients(dk_rest, layout, group)
-        dq, dscale, _ = own_share(query, s, dq_own, ds_own, factor, g)
+        dq, dscale = own_share(query, s, dq_own, ds_own, factor, g)
         dq = dq.to(query.dtype)
     work.wait()  # (on CUDA: the current stream waits for the exchange, the host does not)
     del dk_rest
     if layout.world > 2:
         received = received.view(layout.world - 1, m, key.shape[1]).sum(0)
-    weight = g if factor is None else g * factor  # (the own block's sums times g s: its gradient)
-    dk = torch.addcmul(received, dk_own, weight, out=torch.empty_like(key))  # (float32 sum, one rounding)
+    dk = torch.addcmul(received, dk_own, own_sums_weight(factor, g), out=torch.empty_like(key))  # (one rounding)
     return _backward_outputs(ctx, dq, dk, dscale)
 
 

@@ -287,6 +287,6 @@ def inputs_of(token) -> Optional[list]:
     ``token``, while they still hold them: no replay since, of the graph and of those whose buffers
     it reads in place (``static``), and no copy into them; ``None`` for an eager call or once
     they may not. Another graph may read them in place (``run_graphed(static=...)``)."""
-    if token is None or token[0].version != token[1] or tuple(o.version for o in token[0].sources) != token[2]:
+    if token is None or not outputs_intact(token) or tuple(o.version for o in token[0].sources) != token[2]:
         return None
     return token[0].args

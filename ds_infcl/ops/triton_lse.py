@@ -93,6 +93,7 @@ __all__ = [
     "lse_backward_triton",
     "positive_logits_triton",
     "infonce_forward_triton",
+    "unscaled_share",
     "allow_tf32",
 ]
 
@@ -624,6 +625,15 @@ def _scale_out(acc, factor, out, own, ds_parts, ds_offset, block_r, add=None, ad
         )
 
 
+def unscaled_share(sums: torch.Tensor, query: torch.Tensor, scale, weight: torch.Tensor, out=None):
+    """``(dq, dscale)`` of ``dq`` sums from ``lse_backward_triton(unscaled=True)`` times ``weight``
+    (a 0-dim tensor, their factor included): ``sums * weight`` (into ``out`` when given) and
+    ``sum(sums * query) * weight / scale``."""
+    s = scale.reshape(()) if torch.is_tensor(scale) else scale
+    dq = torch.mul(sums, weight, out=out)
+    return dq, (sums * query.float()).sum() * (weight / s)
+
+
 def _weight_arg(w: torch.Tensor, gs: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     """A float32 weight vector (stride 0 allowed: one weight for all) and its stride."""
     w = w.float()
@@ -688,9 +698,7 @@ def lse_backward_triton(
         dscale = torch.zeros((), device=device, dtype=f32)
         if dq_add is not None:  # only the other block's share
             out, add, weight, add_factor = dq_add
-            dq = torch.mul(add, weight * add_factor, out=out)
-            s_t = _scale_arg(scale, device).reshape(())
-            dscale = (add * query.float()).sum() * (weight * add_factor / s_t) if b and c else dscale
+            dq, dscale = unscaled_share(add, query, _scale_arg(scale, device), weight * add_factor, out=out)
         return dq, dk, dscale
     s_t = _scale_arg(scale, device)
     # fp16 G needs its weights brought near 1 (1/B underflows fp16); bf16 and fp32 have the range.
