@@ -17,7 +17,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from datetime import date
 
 _WORKER = r"""

@@ -167,22 +167,44 @@ def _timed(step) -> float:
     return start.elapsed_time(end)
 
 
+# Warm-up steps every point takes at least: the first compiles the kernels, the second captures
+# the CUDA graphs of the gather path (ds_infcl.ops.infonce_graph), the third replays them.
+MIN_WARMUP_STEPS = 3
+
+
 def _warm_up(step, group, args, after_first=None) -> None:
-    """At least ``--warmup`` steps and ``--warmup-seconds`` of them (the first point of a process
-    otherwise carries NCCL's and the allocator's first-use costs into its times). The ranks agree
-    after each step, so they run the same number of them (a rank that ran one more would post
-    collectives nobody answers). ``after_first()`` runs after the first step."""
-    t_warm = time.perf_counter()
+    """``warm_up_steps`` with ``--warmup`` and ``--warmup-seconds`` on this script's device."""
+    warm_up_steps(step, steps=args.warmup, seconds=args.warmup_seconds, device=_DEVICE, group=group,
+                  after_first=after_first)
+
+
+def warm_up_steps(step, *, steps: int, seconds: float, device, group=None, after_first=None) -> int:
+    """Run ``step()`` at least ``steps`` times (and ``MIN_WARMUP_STEPS``), and for ``seconds`` after
+    the first (the first point of a process otherwise carries NCCL's and the allocator's first-use
+    costs into its times); returns the count. The ranks of ``group`` agree after each step (an
+    all-reduce on ``device``), so they run the same number of them (a rank that ran one more would
+    post collectives nobody answers). ``after_first()`` runs after the first step. Why the minimum
+    and the clock from the first: a first step that compiled for longer than ``seconds`` ended the
+    warm-up there, so the graphs were captured in the timed steps and the extra-memory column,
+    taken over the warm-up, read 0.00 GiB (``--paired`` at 4k and 8k rows per GPU, 2 x H100,
+    2026-11-26). Shared with ``ds_infcl.bench.ring_trace``."""
+    on_cuda = torch.device(device).type == "cuda"
     n_warm = 0
+    t_warm = None
     while True:
         step()
         n_warm += 1
-        _sync()
-        if n_warm == 1 and after_first is not None:
-            after_first()
-        more = n_warm < args.warmup or time.perf_counter() - t_warm < args.warmup_seconds
-        if not _all_reduce(float(more), dist.ReduceOp.MAX, group):
-            break
+        if on_cuda:
+            torch.cuda.synchronize()
+        if n_warm == 1:
+            t_warm = time.perf_counter()
+            if after_first is not None:
+                after_first()
+        more = torch.tensor([float(n_warm < max(steps, MIN_WARMUP_STEPS) or time.perf_counter() - t_warm < seconds)],
+                            device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        if not more.item():
+            return n_warm
 
 
 def _memory_probe():
@@ -345,8 +367,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per point (at least)")
-    ap.add_argument("--warmup-seconds", type=float, default=0.5, help="warm-up time per point (at least)")
+    ap.add_argument("--warmup", type=int, default=MIN_WARMUP_STEPS,
+                    help=f"warm-up steps per point (at least; never fewer than {MIN_WARMUP_STEPS})")
+    ap.add_argument("--warmup-seconds", type=float, default=0.5,
+                    help="warm-up time per point after its first step (at least)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--seconds-per-point", type=float, default=3.0)

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                    help="DS_INFCL_ALGORITHM for these calls")
     p.add_argument("--tag", default="run", help="names the output files and prefixes every line")
     p.add_argument("--out", default="runs/ring_trace")
-    p.add_argument("--warmup-seconds", type=float, default=0.5, help="warm-up time (at least two calls)")
+    p.add_argument("--warmup-seconds", type=float, default=0.5, help="warm-up time after the first call (at least three calls: compile, capture, replay)")
     p.add_argument("--stack", action="store_true",
                    help="record Python frames (names the code behind each gap; slows the host several times)")
     args = p.parse_args(argv)
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
         p.error("run under torchrun (one process per GPU), e.g. torchrun --nproc_per_node 2 ds_infcl/bench/ring_trace.py")
 
     import ds_infcl
+    from ds_infcl.bench.ring import MIN_WARMUP_STEPS, warm_up_steps
     from ds_infcl.loss import contrastive_loss
 
     os.environ["DS_INFCL_ALGORITHM"] = args.algorithm
@@ -158,17 +159,7 @@ def main(argv=None) -> int:
                          check_finite=False).backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # Warm-up as bench.ring's: at least two calls and --warmup-seconds of them, the ranks agreeing
-    # after each call (so that they run the same number).
-    t_warm, n_warm = time.perf_counter(), 0
-    while True:
-        call()
-        sync()
-        n_warm += 1
-        more = torch.tensor(float(n_warm < 2 or time.perf_counter() - t_warm < args.warmup_seconds), device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more.item():
-            break
+    warm_up_steps(call, steps=MIN_WARMUP_STEPS, seconds=args.warmup_seconds, device=device)
     dist.barrier()
     ms = []
     for _ in range(args.reps):

@@ -124,3 +124,36 @@ def test_ring_bench_base_errors_name_the_fix(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--base", "HEAD"], env=env,
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2 and "add --paired ROUNDS" in out.stderr, out.stderr[-2000:]
+
+
+def test_warm_up_captures_the_graphs_before_the_memory_and_timed_steps(monkeypatch):
+    """A first step slower than ``--warmup-seconds`` (it compiles) must not end the warm-up: the
+    second step captures the gather path's CUDA graphs, so the warm-up runs at least three steps,
+    ``--warmup-seconds`` counted after the first. (It ended after one: the graphs were captured in
+    the timed rounds and the extra-memory column read 0.00 GiB at 4k and 8k rows per GPU.)"""
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from ds_infcl.bench import ring as bench_ring
+
+    monkeypatch.setattr(bench_ring, "_DEVICE", "cpu")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        calls, marks = [], []
+
+        def step():
+            time.sleep(0.2 if not calls else 0.001)  # the first step "compiles"
+            calls.append(time.perf_counter())
+
+        args = types.SimpleNamespace(warmup=1, warmup_seconds=0.05)
+        bench_ring._warm_up(step, None, args, after_first=lambda: marks.append(len(calls)))
+        assert marks == [1]  # once, right after the first step
+        assert len(calls) >= bench_ring.MIN_WARMUP_STEPS
+        assert calls[-1] - calls[0] >= 0.05  # the seconds run from the end of the first step
+    finally:
+        if own:
+            dist.destroy_process_group()
