@@ -146,15 +146,17 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     the host waits for the other ranks' sizes (issue 17: at 16k rows per GPU the GPU sat idle for
     that wait, 0.3-0.5 ms of a 4.6-5.1 ms call). ``None`` where it would not pay or not be
     used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
-    gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, ``DS_INFCL_ALGORITHM=ring``); if the
-    layout then picks the ring anyway, the result is dropped. Only local work: ranks may decide
+    gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, unless ``DS_INFCL_ALGORITHM=gather``
+    pins it; ``DS_INFCL_ALGORITHM=ring``); if the layout then picks the ring anyway, the result is
+    dropped. Only local work: ranks may decide
     differently, their collectives are the same."""
     from ds_infcl.loss.ring import ring_for_local_size
 
     b, m = query.shape[0], key.shape[0]
     if world < 2 or not b or not m or b * m < EARLY_MIN_LOGITS:
         return None
-    if os.environ.get("DS_INFCL_ALGORITHM", "auto") == "ring" or ring_for_local_size(world, max(b, m)):
+    pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
+    if pinned == "ring" or (pinned != "gather" and ring_for_local_size(world, max(b, m))):
         return None
     with torch.no_grad():
         stats, token = run_graphed(
