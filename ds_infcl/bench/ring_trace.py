@@ -120,7 +120,8 @@ def main(argv=None) -> int:
                    help="DS_INFCL_ALGORITHM for these calls")
     p.add_argument("--tag", default="run", help="names the output files and prefixes every line")
     p.add_argument("--out", default="runs/ring_trace")
-    p.add_argument("--warmup-seconds", type=float, default=0.5, help="warm-up time after the first call (at least three calls: compile, capture, replay)")
+    p.add_argument("--warmup-seconds", type=float, default=0.5,
+                   help="warm-up time after the first call (at least three calls: compile, capture, replay)")
     p.add_argument("--stack", action="store_true",
                    help="record Python frames (names the code behind each gap; slows the host several times)")
     args = p.parse_args(argv)

@@ -148,8 +148,7 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
     gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, unless ``DS_INFCL_ALGORITHM=gather``
     pins it; ``DS_INFCL_ALGORITHM=ring``); if the layout then picks the ring anyway, the result is
-    dropped. Only local work: ranks may decide
-    differently, their collectives are the same."""
+    dropped. Only local work: ranks may decide differently, their collectives are the same."""
     from ds_infcl.loss.ring import ring_for_local_size
 
     b, m = query.shape[0], key.shape[0]
