@@ -77,8 +77,9 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _all_reduce(value: float, op, group) -> float:
-    t = torch.tensor([value], device=_DEVICE, dtype=torch.float64)
+def _all_reduce(value: float, op, group, device=None) -> float:
+    """``value`` reduced over ``group`` (a float64 on ``device``, default this script's)."""
+    t = torch.tensor([value], device=device or _DEVICE, dtype=torch.float64)
     dist.all_reduce(t, op=op, group=group)
     return t.item()
 
@@ -88,8 +89,8 @@ def _all_reduce(value: float, op, group) -> float:
 _DEVICE = "cuda"
 
 
-def _sync():
-    if _DEVICE == "cuda":
+def _sync(device=None):
+    if torch.device(device or _DEVICE).type == "cuda":
         torch.cuda.synchronize()
 
 
@@ -188,22 +189,18 @@ def warm_up_steps(step, *, steps: int, seconds: float, device, group=None, after
     warm-up there, so the graphs were captured in the timed steps and the extra-memory column,
     taken over the warm-up, read 0.00 GiB (``--paired`` at 4k and 8k rows per GPU, 2 x H100,
     2026-11-26). Shared with ``ds_infcl.bench.ring_trace``."""
-    on_cuda = torch.device(device).type == "cuda"
     n_warm = 0
     t_warm = None
     while True:
         step()
         n_warm += 1
-        if on_cuda:
-            torch.cuda.synchronize()
+        _sync(device)
         if n_warm == 1:
             t_warm = time.perf_counter()
             if after_first is not None:
                 after_first()
-        more = torch.tensor([float(n_warm < max(steps, MIN_WARMUP_STEPS) or time.perf_counter() - t_warm < seconds)],
-                            device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
-        if not more.item():
+        more = n_warm < max(steps, MIN_WARMUP_STEPS) or time.perf_counter() - t_warm < seconds
+        if not _all_reduce(float(more), dist.ReduceOp.MAX, group, device):
             return n_warm
 
 

@@ -1,7 +1,7 @@
 """``python -m ds_infcl.bench.ring --cpu-smoke`` on 2 gloo ranks, as the GPU runs use it: the table
 and the CSV, point by point and ``--paired`` (every impl and the single-GPU reference in the same
-rounds), and ``--paired --base`` (another version of the package in the same rounds). Checks the script, not the numbers; among that, that the ranks run the same number of
-steps of a point (a rank with more would post collectives nobody answers: a hang, which the
+rounds), and ``--paired --base`` (another version of the package in the same rounds). Checks the
+script, not the numbers; among that, that the ranks run the same number of steps of a point (a rank with more would post collectives nobody answers: a hang, which the
 point-by-point mode could hit when the ranks' first steps straddled ``--seconds-per-point / --reps``;
 timing-dependent, it hung this test once before the fix)."""
 
