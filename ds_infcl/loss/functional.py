@@ -29,6 +29,8 @@ Scale = Union[float, torch.Tensor]
 
 def _as_scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
     if torch.is_tensor(scale):
+        if scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == device:
+            return scale  # (already one: a view and a no-op cast cost the host ~15 us per call)
         return scale.reshape(()).to(device=device, dtype=torch.float32)
     # a fill, not a host-to-device copy (which would wait for the GPU queue)
     return torch.full((), float(scale), device=device, dtype=torch.float32)

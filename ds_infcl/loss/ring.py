@@ -232,9 +232,18 @@ def _flags(**options) -> int:
     return sum(int(bool(v)) << i for i, v in enumerate(options.values()))
 
 
+_BACKENDS: dict = {}  # (backend, device type, interpreting) -> resolve_backend's answer
+
+
 def _resolve_backend(backend, device, group):
-    with agree_on_input_errors(group):  # one rank without Triton must not leave the others waiting
-        return resolve_backend(backend, device)
+    """``resolve_backend``, remembered per device type once it answered (its errors, which every
+    rank must see, are raised each time: they are never remembered)."""
+    k = (backend, device.type, os.environ.get("TRITON_INTERPRET"))
+    got = _BACKENDS.get(k)
+    if got is None:
+        with agree_on_input_errors(group):  # one rank without Triton must not leave the others waiting
+            got = _BACKENDS[k] = resolve_backend(backend, device)
+    return got
 
 
 def _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
@@ -283,10 +292,13 @@ def ring_lse(
 # 47.2 vs 48.5 at 32k, 183.3 vs 185.7 at 64k), on 2 ranks up to 16k (2.9 vs 4.1 ms at 8k; 6.2 vs
 # 6.3 at 16k) and the ring from 32k (23.5 vs 24.4 ms; 92.2 vs 109.9 at 64k). That 2-rank gap was
 # the forward's grid (a second wave at b x 2b, since fixed): after it the two are even there
-# (21.0 vs 21.1 ms at 32k, 81.4 vs 80.0 at 64k), so the cap only keeps the measured choice.
+# (21.0 vs 21.1 ms at 32k, 81.4 vs 80.0 at 64k). Since the gather path's own block moved ahead of
+# the layout exchange and its backward into the forward, it is faster on 2 ranks at 32k and 64k
+# too (2 x H100, 2026-11-26, paired in one process: 18.0 vs 18.9 ms at 32k, 69.2 vs 70.3 at 64k),
+# so the cap sits at the largest size measured, 65,536.
 # The byte cap keeps the extra memory of the gather path at most 0.5 GiB (c = 512, bf16:
 # M <= 174,762 keys); above it the ring's memory does not grow with the world size.
-GATHER_MAX_LOCAL = int_setting("DS_INFCL_GATHER_MAX_LOCAL", 16384, minimum=0)
+GATHER_MAX_LOCAL = int_setting("DS_INFCL_GATHER_MAX_LOCAL", 65536, minimum=0)
 GATHER_MAX_BYTES = int_setting("DS_INFCL_GATHER_MAX_BYTES", 1 << 29, minimum=0)
 # The gather path runs its own block's backward in the forward (ds_infcl.loss.ring_fused) where
 # some rank's own block (b_r m_r) has at least this many logits: see own_backward_early. Measured
@@ -314,9 +326,15 @@ def choose_algorithm(layout: RingLayout, dim: int, element_size: int) -> str:
 
 def ring_for_local_size(world: int, largest: int) -> bool:
     """``choose_algorithm``'s rule on the per-rank batch: on 2 ranks, the ring once some rank holds
-    more than ``GATHER_MAX_LOCAL`` rows (``largest``). Also what the gather path's early own block
-    (``ds_infcl.loss.ring_fused.own_block_early``) predicts from a rank's own sizes."""
+    more than ``GATHER_MAX_LOCAL`` rows (``largest``)."""
     return world <= 2 and largest > GATHER_MAX_LOCAL
+
+
+def ring_predicted(world: int, b: int, m: int, dim: int, element_size: int) -> bool:
+    """What ``choose_algorithm`` will pick, predicted from this rank's own sizes (as if every rank
+    held ``m`` keys): the gather path's early own block (``ds_infcl.loss.ring_fused.own_block_early``)
+    runs only where the gather path is expected. A wrong guess costs time, never correctness."""
+    return ring_for_local_size(world, max(b, m)) or world * m * dim * (element_size + 4) > GATHER_MAX_BYTES
 
 
 def own_backward_early(layout: RingLayout) -> bool:

@@ -60,7 +60,7 @@ from ds_infcl.loss.gather_blocks import (
     gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
     own_sums_weight, positive_weight, rest_backward_fn,
 )
-from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward
+from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward, ring_predicted
 from ds_infcl.ops import positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, outputs_intact, run_graphed
@@ -146,22 +146,20 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     the host waits for the other ranks' sizes (issue 17: at 16k rows per GPU the GPU sat idle for
     that wait, 0.3-0.5 ms of a 4.6-5.1 ms call). ``None`` where it would not pay or not be
     used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
-    gather path will not take (``GATHER_MAX_LOCAL`` on 2 ranks, unless ``DS_INFCL_ALGORITHM=gather``
+    gather path is not expected to take (``ring_predicted``, unless ``DS_INFCL_ALGORITHM=gather``
     pins it; ``DS_INFCL_ALGORITHM=ring``); if the layout then picks the ring anyway, the result is
     dropped. Only local work: ranks may decide differently, their collectives are the same."""
-    from ds_infcl.loss.ring import ring_for_local_size
-
     b, m = query.shape[0], key.shape[0]
     if world < 2 or not b or not m or b * m < EARLY_MIN_LOGITS:
         return None
     pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
-    if pinned == "ring" or (pinned != "gather" and ring_for_local_size(world, max(b, m))):
+    if pinned == "ring" or (pinned != "gather" and ring_predicted(world, b, m, query.shape[1], query.element_size())):
         return None
-    with torch.no_grad():
+    with torch.no_grad():  # (so the graph's copies of the inputs take no autograd history: no detach)
         stats, token = run_graphed(
-            "gather_own", own_block_fn(symmetric, backend, tile_size),
-            (query.detach(), key.detach(), scale_t.detach(), labels), options=(symmetric, tile_size),
-            logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(0, 1, 2), token=True)
+            "gather_own", own_block_fn(symmetric, backend, tile_size), (query, key, scale_t, labels),
+            options=(symmetric, tile_size), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
+            borrow=(0, 1, 2), token=True)
     return EarlyOwn(stats, token)
 
 

@@ -27,7 +27,7 @@ def _cases():
     # The ring with each hop's exchange overlapped with the block's kernels ("1") and after them
     # ("0"); the gather path with its own block computed before the layout exchange (early) and
     # not; and the early block computed, then dropped because the layout picks the ring (auto with
-    # a gather-bytes cap of 0).
+    # a gather-bytes cap of 0, the rank's own prediction, ring_predicted, made to guess wrong).
     # The gather path also with its own block's backward run in the backward (else in the forward),
     # and with the Triton kernels (interpreted): its backward then adds the own block's share of
     # dq in the pass that scales dq (lse_backward_triton(dq_add=)).
@@ -74,6 +74,7 @@ def _worker(rank, world, cases):
 
     early_blocks = record_calls(fused_mod, "own_block_early", lambda own: own is not None)
     max_bytes, max_local = ring_mod.GATHER_MAX_BYTES, ring_mod.GATHER_MAX_LOCAL
+    predicted = fused_mod.ring_predicted
     all_reduces = record_calls(dist, "all_reduce")
     out = []
     for seed, case in enumerate(cases):
@@ -85,6 +86,7 @@ def _worker(rank, world, cases):
         ring_mod.GATHER_MAX_BYTES = 0 if case["pin"] == "auto" else max_bytes
         ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
         ring_mod.GATHER_MAX_LOCAL = 0 if case["algorithm"] == "gather*" else max_local
+        fused_mod.ring_predicted = (lambda *_: False) if case["pin"] == "auto" else predicted
         for mode in ("none", "arange"):
             os.environ["DS_INFCL_ALGORITHM"] = case["pin"]
             early_blocks.clear()

@@ -131,7 +131,7 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
                           send_to=1, recv_from=1)
 
     monkeypatch.delenv("DS_INFCL_ALGORITHM", raising=False)
-    # 2 ranks: gather up to GATHER_MAX_LOCAL rows per rank, the ring above (measured on H200s).
+    # 2 ranks: gather up to GATHER_MAX_LOCAL rows per rank, the ring above (measured on H100s).
     assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL), 512, 2) == "gather"
     assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL + 1), 512, 2) == "ring"
     # More ranks: gather while the gathered keys and their float32 gradient fit the byte cap.
@@ -139,7 +139,8 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
         return world * b * 512 * (2 + 4) <= ring_mod.GATHER_MAX_BYTES
 
     assert ring_mod.gather_bytes(layout(1000, world=4), 512, 2) == 4 * 1000 * 512 * 6
-    big = ring_mod.GATHER_MAX_LOCAL * 2
+    assert ring_mod.GATHER_MAX_LOCAL == 65536 and fits(65536, 2)  # (the cap on 2 ranks is the rows')
+    big = 32768
     assert fits(big, 4) and not fits(big, 8)  # the default cap sits between these
     assert ring_mod.choose_algorithm(layout(big, world=4), 512, 2) == "gather"
     assert ring_mod.choose_algorithm(layout(big, world=8), 512, 2) == "ring"
@@ -148,6 +149,11 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
     assert rows <= ring_mod.GATHER_MAX_LOCAL
     assert ring_mod.choose_algorithm(layout(rows - 1, world=128), 512, 2) == "gather"
     assert ring_mod.choose_algorithm(layout(rows, world=128), 512, 2) == "ring"
+    # The early own block's guess from a rank's own sizes (as if every rank held as many keys)
+    # agrees with the choice wherever the sizes are equal, the byte cap included.
+    for b, world in ((65536, 2), (65537, 2), (32768, 4), (32768, 8), (rows - 1, 128), (rows, 128)):
+        predicted = ring_mod.ring_predicted(world, b, b, 512, 2)
+        assert predicted == (ring_mod.choose_algorithm(layout(b, world=world), 512, 2) == "ring"), (b, world)
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
     assert ring_mod.choose_algorithm(layout(16), 512, 2) == "ring"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
