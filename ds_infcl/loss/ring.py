@@ -47,6 +47,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ds_infcl.loss import peer_copy
 from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
@@ -351,11 +352,11 @@ def gather_bytes(layout: RingLayout, dim: int, element_size: int) -> int:
 
 def algorithm_settings() -> int:
     """A fingerprint of this process's algorithm settings (``DS_INFCL_ALGORITHM``, the gather
-    thresholds and the ring's overlap setting), exchanged with the layout so that ranks launched
-    with different values stop with an error naming them instead of running different collectives
-    (a hang on NCCL)."""
+    thresholds, the ring's overlap setting and the keys' copy-engine transport), exchanged with
+    the layout so that ranks launched with different values stop with an error naming them
+    instead of running different collectives (a hang on NCCL)."""
     text = (f"{os.environ.get('DS_INFCL_ALGORITHM', 'auto')}|{GATHER_MAX_LOCAL}|{GATHER_MAX_BYTES}|"
-            f"{RING_OVERLAP}|{RING_OVERLAP_MAX_ROWS}|{GATHER_OWN_BACKWARD_MIN_LOGITS}")
+            f"{RING_OVERLAP}|{RING_OVERLAP_MAX_ROWS}|{GATHER_OWN_BACKWARD_MIN_LOGITS}|{peer_copy.settings_text()}")
     return zlib.crc32(text.encode())
 
 
@@ -387,7 +388,7 @@ def ring_infonce(
     if labels is not None:
         labels = labels.to(device=query.device, dtype=torch.long)
     query, key = query.contiguous(), key.contiguous()
-    own = own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group))
+    own = own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group), group)
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
         flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),

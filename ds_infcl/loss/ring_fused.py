@@ -56,6 +56,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from ds_infcl.loss import peer_copy
 from ds_infcl.loss.gather_blocks import (
     gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
     own_sums_weight, positive_weight, rest_backward_fn,
@@ -86,6 +87,7 @@ class EarlyOwn(NamedTuple):
 
     stats: tuple
     token: object
+    mark: object = None  # (where the keys' copy-engine gather may start: ds_infcl.ring.peer_copy.mark)
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:
@@ -141,7 +143,7 @@ def _merge_statistics(payload, layout: RingLayout, group, diagonal: bool, backen
                        logits=logits, backend=backend, max_logits=GATHER_MAX_LOGITS)
 
 
-def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, world):
+def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, world, group=None):
     """The own block's kernels, launched before the layout exchange so that the GPU computes while
     the host waits for the other ranks' sizes (issue 17: at 16k rows per GPU the GPU sat idle for
     that wait, 0.3-0.5 ms of a 4.6-5.1 ms call). ``None`` where it would not pay or not be
@@ -155,12 +157,13 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
     if pinned == "ring" or (pinned != "gather" and ring_predicted(world, b, m, query.shape[1], query.element_size())):
         return None
+    marked = peer_copy.mark(group, query.device)
     with torch.no_grad():  # (so the graph's copies of the inputs take no autograd history: no detach)
         stats, token = run_graphed(
             "gather_own", own_block_fn(symmetric, backend, tile_size), (query, key, scale_t, labels),
             options=(symmetric, tile_size), logits=b * m, backend=backend, max_logits=GATHER_MAX_LOGITS,
             borrow=(0, 1, 2), token=True)
-    return EarlyOwn(stats, token)
+    return EarlyOwn(stats, token, marked)
 
 
 def _graph_sources(token, query, key_all, key, offset):
@@ -245,7 +248,11 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
-        key_all = all_gather_rows(key, layout.key_sizes, group)
+        transport = peer_copy.peer_keys(group, layout, key.device)  # (the same on every rank)
+        if transport is not None:  # one host: the copy engines, beside the own block's kernels
+            key_all = transport.all_gather(key, layout, None if own is None else own.mark)
+        else:
+            key_all = all_gather_rows(key, layout.key_sizes, group)
         m, offset, num_keys = key.shape[0], layout.key_offset(), layout.num_keys
         diagonal = symmetric and layout.diagonal  # (the same on every rank: from the layout)
         row = col = pos = col_pos = payload = fwd_token = None

@@ -107,7 +107,7 @@ def _check_table(table, protocol: str) -> None:
         )
     fields = ("feature dim", "dtype", "device type", "loss path", "flags",
               "algorithm settings (the DS_INFCL_ALGORITHM / DS_INFCL_GATHER_MAX_* / "
-              "DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS / DS_INFCL_RING_OVERLAP* "
+              "DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS / DS_INFCL_RING_OVERLAP* / DS_INFCL_PEER_COPY* "
               "environment variables)")
     for pos, name in zip(range(2, 8), fields):
         if len({row[pos] for row in table}) > 1:

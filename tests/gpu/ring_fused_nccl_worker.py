@@ -6,7 +6,9 @@ one key per query and two (the shortcut's slice); the gather path also with its 
 before the layout exchange (``own_block_early``) and with its own block's backward run in the
 backward instead of the forward (``own_backward_early``). Then the gather path with its local kernels
 replayed from CUDA graphs (``ds_infcl.ops.infonce_graph.run_graphed``: the second call of a shape
-captures, the third replays) against the same calls run eagerly. Exit status 1 on any failure."""
+captures, the third replays) against the same calls run eagerly, and its keys gathered by the copy
+engines (``ds_infcl.loss.peer_copy``) against the process group's all-gather. Exit status 1 on any
+failure."""
 
 import os
 import sys
@@ -112,7 +114,7 @@ def graph_check(rank, world, device, early, own_early):
     return max(rel(x, y) for x, y in pairs), all(torch.equal(x, y) for x, y in pairs), kept, replays
 
 
-def interleaved_check(rank, world, device, early):
+def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0"))):
     """Largest relative difference, graphs against eager, of two forwards followed by their two
     backwards (the second forward replays the graphs whose buffers the first backward needs: the
     own block's backward kept from the forward is computed again, ``outputs_intact``, and the
@@ -120,7 +122,11 @@ def interleaved_check(rank, world, device, early):
     the same sizes on every rank, and with the second forward's sizes changed on every rank but
     rank 0 (whose own block then replays its graph while its rest of the forward takes another:
     the first backward may not read the query from the own block's graph). ``early``: the own
-    block computed before the layout exchange."""
+    block computed before the layout exchange. ``modes``: the two runs compared, each
+    ``(DS_INFCL_CUDA_GRAPH, DS_INFCL_PEER_COPY)``, the copy engines taking every size when on
+    (``ds_infcl.loss.peer_copy``; the default pair: eager against graphs, the process group's
+    all-gather in both). Returns ``(largest relative difference, bitwise equal)``."""
+    from ds_infcl.loss import peer_copy
     from ds_infcl.ops import infonce_graph as ig
 
     import ds_infcl.loss.ring as ring_mod
@@ -130,6 +136,8 @@ def interleaved_check(rank, world, device, early):
     ig.MAX_GRAPHS, max_graphs = 16, ig.MAX_GRAPHS
     own_min, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0
     fused.EARLY_MIN_LOGITS, early_min = (1 if early else 1 << 62), fused.EARLY_MIN_LOGITS
+    peer_mode, peer_min = peer_copy.PEER_COPY, peer_copy.PEER_COPY_MIN_ROWS
+    peer_copy.PEER_COPY_MIN_ROWS = 0
 
     def inputs(seed, grown):
         b = 700 + 1111 * rank + (256 if grown and rank else 0)
@@ -142,9 +150,10 @@ def interleaved_check(rank, world, device, early):
         return contrastive_loss(q, k, 14.3, symmetric=True, backend="triton", check_finite=False)
 
     results = {}
-    for mode in ("0", "auto"):
+    for mode in modes:
         ig.clear_graphs()
-        ig.CUDA_GRAPH = mode
+        ig.CUDA_GRAPH = mode[0]
+        peer_copy.PEER_COPY = mode[1]
         results[mode] = []
         for grown in (False, True):
             for seed in range(3):  # the shapes' graphs captured and replayed once
@@ -158,9 +167,12 @@ def interleaved_check(rank, world, device, early):
     ig.clear_graphs()
     ig.CUDA_GRAPH, ig.MAX_GRAPHS = "auto", max_graphs
     ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, fused.EARLY_MIN_LOGITS = own_min, early_min
+    peer_copy.PEER_COPY, peer_copy.PEER_COPY_MIN_ROWS = peer_mode, peer_min
     os.environ.pop("DS_INFCL_ALGORITHM")
-    return max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item()
-               for x, y in zip(results["auto"], results["0"]))
+    first, second = (results[mode] for mode in modes)
+    return (max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-12)).item()
+                for x, y in zip(second, first)),
+            all(torch.equal(x, y) for x, y in zip(second, first)))
 
 
 def main():
@@ -202,7 +214,7 @@ def main():
                   f"replayed from CUDA graphs: graphs kept {kept} (want {want}), replays {replays}, largest "
                   f"rel diff to eager {stats[0]:.2e}, bitwise on every rank: {not bool(stats[1])}", flush=True)
     for early in (False, True):
-        diff = torch.tensor([interleaved_check(rank, world, device, early)], device=device)
+        diff = torch.tensor([interleaved_check(rank, world, device, early)[0]], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         ok = diff.item() <= 2e-3
         failed += not ok
@@ -210,6 +222,22 @@ def main():
             print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''}, two "
                   f"forwards then their backwards (same sizes; other ranks' sizes changed), graphs against "
                   f"eager: largest rel diff {diff.item():.2e}", flush=True)
+    # The keys by the copy engines against the process group's all-gather (graphs on, the same
+    # interleaved calls): the same bytes gathered, so bitwise the same results; and the copy
+    # engines must have been used (a transport set up for the world group).
+    from ds_infcl.loss import peer_copy
+
+    for early in (False, True):
+        _, same = interleaved_check(rank, world, device, early, modes=(("auto", "0"), ("auto", "1")))
+        used = any(t is not None for _, t in peer_copy._TRANSPORTS.values())
+        stats = torch.tensor([float(not same), float(not used)], device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        ok = stats.sum().item() == 0
+        failed += not ok
+        if rank == 0:
+            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''}, keys by "
+                  f"the copy engines against the all-gather: bitwise equal on every rank {not bool(stats[0])}, "
+                  f"copy engines used {not bool(stats[1])}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

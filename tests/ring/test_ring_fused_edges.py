@@ -279,6 +279,8 @@ def _import_error(module: str, **env) -> str:
     ("DS_INFCL_GATHER_MAX_LOCAL", "-1", "must be an integer >= 0, got '-1'"),
     ("DS_INFCL_GATHER_MAX_BYTES", "0.5GiB", "must be an integer >= 0, got '0.5GiB'"),
     ("DS_INFCL_RING_OVERLAP_MAX_ROWS", "", "must be an integer >= 0, got ''"),
+    ("DS_INFCL_PEER_COPY_MIN_ROWS", "-5", "must be an integer >= 0, got '-5'"),
+    ("DS_INFCL_PEER_COPY", "auto", "must be 0 or 1, got 'auto'"),
 ])
 def test_bad_algorithm_settings_stop_the_import(name, value, want):
     """Each integer setting of the algorithms is read at import: a bad value stops the process

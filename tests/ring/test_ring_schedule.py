@@ -210,3 +210,24 @@ def test_a_bad_overlap_value_set_after_the_import_stops_the_call(monkeypatch):
         ring_mod.overlap_exchange(layout)
     monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0")
     assert ring_mod.overlap_exchange(layout) is False
+
+
+def test_peer_copy_is_chosen_from_the_layout_and_off_by_default(monkeypatch):
+    """The keys' copy-engine transport (ds_infcl.loss.peer_copy) is a decision every rank makes
+    alike, from the settings and the layout: off unless DS_INFCL_PEER_COPY=1, only on CUDA, only
+    from PEER_COPY_MIN_ROWS rows in the largest key block; where it is not wanted no collective
+    runs (here: no process group at all)."""
+    from ds_infcl.loss import peer_copy
+    from ds_infcl.ring import RingLayout
+
+    def layout(rows):
+        return RingLayout(world=2, rank=0, query_sizes=(rows, 5), key_sizes=(rows, 5), feature_dim=8,
+                          send_to=1, recv_from=1)
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    big, small = layout(peer_copy.PEER_COPY_MIN_ROWS), layout(peer_copy.PEER_COPY_MIN_ROWS - 1)
+    assert peer_copy.PEER_COPY == "0" and not peer_copy._wanted(big, cuda)
+    monkeypatch.setattr(peer_copy, "PEER_COPY", "1")
+    assert peer_copy._wanted(big, cuda) and not peer_copy._wanted(small, cuda) and not peer_copy._wanted(big, cpu)
+    assert peer_copy.peer_keys(None, big, cpu) is None and peer_copy.mark(None, cpu) is None
+    assert peer_copy.settings_text() == f"1|{peer_copy.PEER_COPY_MIN_ROWS}"
