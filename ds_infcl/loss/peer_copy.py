@@ -59,7 +59,7 @@ PEER_COPY = choice_setting("DS_INFCL_PEER_COPY", "0", ("0", "1"))
 # the host, which the extra stream work would slow.
 PEER_COPY_MIN_ROWS = int_setting("DS_INFCL_PEER_COPY_MIN_ROWS", 16384, minimum=0)
 
-_TRANSPORTS: dict = {}  # id(group) -> (group, PeerKeys or None)
+_TRANSPORTS: dict = {}  # id(process group) -> (process group, PeerKeys or None)
 
 
 def settings_text() -> str:
@@ -67,8 +67,10 @@ def settings_text() -> str:
     return f"{PEER_COPY}|{PEER_COPY_MIN_ROWS}"
 
 
-def _key(group):
-    return id(group)
+def _process_group(group):
+    """The group's process-group object (``None``: the current default group, so that a default
+    group destroyed and made again does not find the old one's transport)."""
+    return group if group is not None else dist.group.WORLD
 
 
 def _wanted(layout: RingLayout, device: torch.device) -> bool:
@@ -97,7 +99,7 @@ class PeerKeys:
             torch.cuda.synchronize(self.device)
             _agree(True, self.group, self.device)
         self.buf = self.symm.empty(numel, dtype=dtype, device=self.device)
-        self.handle = self.symm.rendezvous(self.buf, self.group if self.group is not None else dist.group.WORLD)
+        self.handle = self.symm.rendezvous(self.buf, _process_group(self.group))
         self.peers = [self.handle.get_buffer(r, (numel,), dtype) if r != self.rank else None
                       for r in range(self.world)]
         self.capacity, self.dtype = numel, dtype
@@ -149,8 +151,9 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
     the same call on every rank); then a lookup."""
     if not _wanted(layout, device):
         return None
-    got = _TRANSPORTS.get(_key(group))
-    if got is not None and got[0] is group:
+    pg = _process_group(group)
+    got = _TRANSPORTS.get(id(pg))
+    if got is not None and got[0] is pg:
         return got[1]
     transport = None
     if _same_host(group, device):
@@ -163,7 +166,7 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
             transport = None
         if not _agree(transport is not None, group, device):
             transport = None
-    _TRANSPORTS[_key(group)] = (group, transport)
+    _TRANSPORTS[id(pg)] = (pg, transport)  # (the group is kept: its id is not reused meanwhile)
     return transport
 
 
@@ -171,7 +174,10 @@ def mark(group, device: torch.device) -> Optional[torch.cuda.Event]:
     """An event on the current stream where a group with a transport will gather its keys from (see
     step 1): recorded before the own block's kernels are queued, so that the copies do not wait
     for them. ``None`` without a transport (none is set up before the first call that wants one)."""
-    got = _TRANSPORTS.get(_key(group))
-    if device.type != "cuda" or got is None or got[0] is not group or got[1] is None:
+    if device.type != "cuda" or not _TRANSPORTS:
+        return None
+    pg = _process_group(group)
+    got = _TRANSPORTS.get(id(pg))
+    if got is None or got[0] is not pg or got[1] is None:
         return None
     return torch.cuda.current_stream(device).record_event()
