@@ -87,7 +87,7 @@ class EarlyOwn(NamedTuple):
 
     stats: tuple
     token: object
-    mark: object = None  # (where the keys' copy-engine gather may start: ds_infcl.ring.peer_copy.mark)
+    mark: object = None  # (where the keys' copy-engine gather may start: ds_infcl.loss.peer_copy.mark)
 
 
 def _positive_rows(x: torch.Tensor, labels: Optional[torch.Tensor], b: int) -> torch.Tensor:

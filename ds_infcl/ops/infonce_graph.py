@@ -210,8 +210,7 @@ class GraphedCall:
         self.static = frozenset(i for i in static if args[i] is not None and _owned(args[i]))
         # The graphs whose buffers it reads in place: its copies of the arguments hold a call's
         # only while theirs do too (inputs_of).
-        self.sources = tuple({id(o): o for o in (_OWNERS[args[i].untyped_storage().data_ptr()]
-                                                  for i in sorted(self.static))}.values())
+        self.sources = tuple({id(o): o for o in (_owner(args[i]) for i in sorted(self.static))}.values())
         self.args = [None if a is None else (a.detach() if i in self.static else a.detach().clone())
                      for i, a in enumerate(args)]
         _warm_up(dev, lambda: fn(*self.args))
@@ -220,18 +219,15 @@ class GraphedCall:
             self.out = fn(*self.args)
         self.replays = 0
         self.version = 0  # bumped by every replay and every copy into its buffers by another graph's call
-        for i, t in enumerate(self.args):
-            if t is not None and i not in self.static:
-                _OWNERS[t.untyped_storage().data_ptr()] = self
-        for t in self.out:
+        for t in [a for i, a in enumerate(self.args) if i not in self.static] + list(self.out):
             if t is not None:
-                _OWNERS[t.untyped_storage().data_ptr()] = self
+                _OWNERS[_storage(t)] = self
 
     def __call__(self, *args, borrow=()):
         for i, (dst, src) in enumerate(zip(self.args, args)):
             if dst is not None and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
-                owner = _OWNERS.get(dst.untyped_storage().data_ptr()) if i in self.static else None
+                owner = _owner(dst) if i in self.static else None
                 if owner is not None:
                     owner.version += 1
         self.graph.replay()
@@ -243,9 +239,19 @@ class GraphedCall:
 _OWNERS: dict = {}  # storage address -> the GraphedCall whose input or output buffer it is
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage: the key of ``_OWNERS`` (a view finds its base's graph)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _owner(t: torch.Tensor):
+    """The kept graph whose buffer ``t`` is (or is a view of), else ``None``."""
+    return _OWNERS.get(_storage(t))
+
+
 def _owned(t: torch.Tensor) -> bool:
     """Whether ``t`` is (a view of) a kept graph's buffer: an address that stays while it is kept."""
-    return t.untyped_storage().data_ptr() in _OWNERS
+    return _owner(t) is not None
 
 
 def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_logits: Optional[int] = None,
