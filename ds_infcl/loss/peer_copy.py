@@ -7,38 +7,61 @@ call at 16k rows per GPU on 2 x H100. A copy out of a peer's memory mapped into 
 (``torch.distributed._symmetric_memory``) is a peer-to-peer transfer of a copy engine: on the same
 machine a 16 MB pull took 52 us alone and hid completely under the own block's 640 us forward.
 
-Protocol, per call, every rank, on this module's stream ``P`` (the caller's stream is ``S``):
+Per call, on every rank; this module's stream ``P``, the caller's ``S``. The keys are ready on
+``S`` where the own block was about to be queued (``mark``, recorded before it, so that nothing
+here waits for the own block's kernels; else ``S`` as it is when the keys are staged).
 
-1. ``P`` waits for ``S`` as it was before the own block was queued (``mark``; else as it is when
-   the keys are gathered): the keys are ready, and every collective of the previous calls is
-   behind it. So every peer has finished reading this rank's buffer: a peer's pull precedes, on
-   its ``S``, a collective of that call (the statistics' all-gather or the share's all-reduce)
-   which this rank's ``S`` has passed too.
-2. This rank's keys go into its buffer, then an all-reduce of one integer on ``P`` (NCCL: it ends
-   on no rank before every rank's copy is done).
-3. Each peer's keys are pulled from its buffer into the gathered keys, this rank's own rows copied.
-4. ``S`` waits for ``P``.
+**Staged** (every call once the transport is set up: ``ds_infcl.loss.ring._exchange``):
 
-Whether a call takes this path is the same on every rank: with ``DS_INFCL_PEER_COPY=1`` the
-transport is set up for a group once, by every rank together (same host, and a symmetric-memory
-rendezvous that every rank completed), and a call uses it when the layout's largest key block has
-at least ``PEER_COPY_MIN_ROWS`` rows; the buffers are sized from the layout as well. Elsewhere
-(other hosts, CPU, gloo, the default ``DS_INFCL_PEER_COPY=0``) the keys are all-gathered by the
-process group.
+1. Before the layout exchange, each rank takes the next epoch (one per call, the same on every
+   rank) and posts it in the layout with whether its keys fit the buffers
+   (``RingLayout.staged``: ``2 epoch + fits``). While the exchange is in flight (its
+   ``between``), ``P`` waits for the mark, copies the keys into this rank's buffer (where they
+   fit) and writes the epoch into this rank's slot of every peer's signal array by
+   ``cuStreamWriteValue32``, a memory operation of the GPU's front end (no SM), fenced after the
+   copy. The signal is written on every call, fitting or not: a peer may be waiting for it.
+2. Where the own block ran early (the gather path expected), ``P`` also pulls *ahead*: it waits
+   for each peer's slot to reach the epoch (``cuStreamWaitValue32``, no SM either) and copies
+   each peer's first ``m`` rows, as if every rank had this rank's ``m``, and its own rows.
+3. After the exchange (``PeerKeys.settle``): the layout says whether every rank posted the same
+   epoch and fitted. If the epochs differ (a call that raised on some ranks only), each rank
+   sets its own slots to the call's epoch from ``S``, so that no wait on ``P`` is left hanging,
+   and all take the largest epoch. ``S`` then waits for ``P``, on every call and every path.
+4. The gather path uses the keys pulled ahead where every rank fitted and every size equals
+   this rank's; else, where every rank fitted, ``P`` pulls now with the real sizes; else the
+   barrier protocol runs.
 
-Measured (2 x H100, docs/distributed.md): the pull itself hides under the own block, but step 2's
-all-reduce is an NCCL kernel beside the own block's persistent kernel, which is what the copy
-engines were to avoid: 16k rows per GPU took 5.02 ms against 4.74 with the all-gather, 32k 17.90
-against 17.99. Hence off by default. The way on: let the layout exchange's all-gather be step 2's
-barrier (the copy staged before it, on the metadata stream, and a per-rank "staged" field in the
-layout so that every rank knows every copy is in place).
+**Barrier** (the first call, a buffer to grow, a rank whose keys did not fit): ``P`` copies the
+keys into the buffer (grown first, collectively, from the layout's sizes), all-reduces one
+integer (NCCL: it ends on no rank before every rank's copy is done) and pulls.
+
+A buffer is rewritten only once every peer has read it: a call's pulls precede, on that peer's
+``S`` (step 3), the call's later collectives (the statistics' all-gather, the share's
+all-reduce, the ring's exchanges), which this rank's ``S`` has passed before its next mark.
+
+Whether a call takes this module's path is the same on every rank: with ``DS_INFCL_PEER_COPY=1``
+the transport is set up for a group once, by every rank together (same host, a symmetric-memory
+rendezvous and the driver's stream memory operations, tried on every rank), and the gather path
+uses it when the layout's largest key block has at least ``PEER_COPY_MIN_ROWS`` rows; which
+protocol, and the buffers' size, come from the layout as well. Elsewhere (other hosts, CPU, gloo,
+the default ``DS_INFCL_PEER_COPY=0``) the keys are all-gathered by the process group.
+
+Measured (2 x H100, 16k rows per GPU, c = 512, bf16; docs/distributed.md, "The keys by the copy
+engines, twelfth session"): the results are bitwise the all-gather's, but every protocol has been
+slower than the all-gather at 16k: the barrier 5.02 against 4.74 ms, the staged one with pulls
+ahead 5.06 against 4.77 (at 32k: 18.03 against 17.94). Not the GPU: with the pulls ahead, nothing
+of the keys' transfer is left between the own block and the rest. The host: each CUDA call
+issued while the own block runs costs 10-30 us of host time (a stream switch 10-20), so the
+transport's dozen calls took ~200 us of host time in the layout exchange's shadow and lengthened
+it, and the 16k call is bound by its host. Hence off by default.
 """
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import zlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,19 +70,18 @@ from ds_infcl.ops.validation import choice_setting, int_setting
 from ds_infcl.ring.groups import group_rank, group_size
 from ds_infcl.ring.layout import RingLayout, all_gather_single
 
-__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "peer_keys", "mark", "settings_text"]
+__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of", "settings_text"]
 
 # 1: the copy engines where every rank of the group is on one host and symmetric memory works;
-# 0 (default): the process group's all-gather. Off by default: measured on 2 x H100 (2026-11-26,
-# docs/distributed.md) it is bitwise the all-gather's result, 0.09 ms faster at 32k rows per GPU
-# but 0.28 ms slower at 16k, where step 2's NCCL all-reduce runs beside the own block's persistent
-# kernel. Ranks must agree (ds_infcl.loss.ring.algorithm_settings).
+# 0 (default): the process group's all-gather, faster at 16k rows per GPU on 2 x H100 (see the
+# module doc). Ranks must agree (ds_infcl.loss.ring.algorithm_settings).
 PEER_COPY = choice_setting("DS_INFCL_PEER_COPY", "0", ("0", "1"))
 # The smallest largest-key-block (rows) that takes the copy engines: below it the call is bound by
 # the host, which the extra stream work would slow.
 PEER_COPY_MIN_ROWS = int_setting("DS_INFCL_PEER_COPY_MIN_ROWS", 16384, minimum=0)
 
 _TRANSPORTS: dict = {}  # id(process group) -> (process group, PeerKeys or None)
+_EPOCHS = 0xFFFFFFFF  # epochs run 1 .. 2**32 - 1 (the driver compares them cyclically, 0: not staged)
 
 
 def settings_text() -> str:
@@ -78,8 +100,45 @@ def _wanted(layout: RingLayout, device: torch.device) -> bool:
             and max(layout.key_sizes) >= PEER_COPY_MIN_ROWS)
 
 
+class _StreamMemOps:
+    """The CUDA driver's stream memory operations on 32-bit words: a write (after a fence over the
+    stream's earlier work) and a wait until ``(int32)(word - value) >= 0``. The GPU's front end
+    carries them out; they take no SM."""
+
+    _GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ (CU_STREAM_WRITE_VALUE_DEFAULT is 0 too: with the fence)
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write, self._wait = lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2
+        for fn in (self._write, self._wait):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"ds_infcl peer_copy: {what} failed with CUresult {code}")
+
+    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        self._check(self._write(stream.cuda_stream, address, value, 0), "cuStreamWriteValue32")
+
+    def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        self._check(self._wait(stream.cuda_stream, address, value, self._GEQ), "cuStreamWaitValue32")
+
+
+class Ticket(NamedTuple):
+    """One call's staged keys (``PeerKeys.begin``): its epoch, whether this rank's keys went into
+    its buffer, and the gathered keys pulled ahead of the layout for equal sizes (``None``: not
+    pulled)."""
+
+    epoch: int
+    fits: bool
+    keys: Optional[torch.Tensor]
+
+
 class PeerKeys:
-    """One group's symmetric buffers and stream (see the module doc); made by ``peer_keys``."""
+    """One group's symmetric buffers, signal arrays and stream (see the module doc); made by
+    ``peer_keys``. ``counts``: how many calls took each protocol on this rank."""
 
     def __init__(self, group, device: torch.device, symm):
         self.group, self.device, self.symm = group, device, symm
@@ -89,6 +148,25 @@ class PeerKeys:
         self.buf = self.handle = None
         self.peers: list = []
         self.capacity, self.dtype = 0, None
+        self.ops = _StreamMemOps()
+        # Slot r of this rank's signal array: the last epoch rank r signalled; peer_signals[r]:
+        # the address of this rank's slot in rank r's array.
+        self.signals = symm.empty(self.world, dtype=torch.int32, device=device)
+        self.signals.zero_()
+        self.signal_handle = symm.rendezvous(self.signals, _process_group(group))
+        self.peer_signals = [self.signal_handle.get_buffer(r, (self.world,), torch.int32).data_ptr() + 4 * self.rank
+                             for r in range(self.world)]
+        self.epoch = 0  # the same on every rank: one per ring_infonce call while the transport is on
+        self.counts = {"ahead": 0, "staged": 0, "barrier": 0}
+        # The driver's operations on this device, tried on this rank's own slot (an error here
+        # makes the group fall back to the all-gather, on every rank alike: peer_keys).
+        stream = torch.cuda.current_stream(device)
+        self.ops.write(stream, self.peer_signals[self.rank], 1)
+        self.ops.wait(stream, self._slot(self.rank), 1)
+        torch.cuda.synchronize(device)
+
+    def _slot(self, r: int) -> int:
+        return self.signals.data_ptr() + 4 * r
 
     def _fit(self, numel: int, dtype: torch.dtype) -> None:
         """Buffers of at least ``numel`` elements of ``dtype`` (a rendezvous of every rank: the
@@ -104,30 +182,99 @@ class PeerKeys:
                       for r in range(self.world)]
         self.capacity, self.dtype = numel, dtype
 
-    def all_gather(self, key: torch.Tensor, layout: RingLayout, marked: Optional[torch.cuda.Event]) -> torch.Tensor:
-        """Every rank's keys in rank order ``[M, c]`` (steps 1-4 of the module doc)."""
-        c = key.shape[1]
-        self._fit(max(layout.key_sizes) * c, key.dtype)
-        main = torch.cuda.current_stream(self.device)
-        p = self.stream
+    def tag(self, key: torch.Tensor) -> int:
+        """The next epoch and whether ``key`` fits the buffers, as the layout's ``staged`` value
+        (``2 epoch + fits``; never 0)."""
+        self.epoch = self.epoch % _EPOCHS + 1
+        return 2 * self.epoch + int(key.numel() <= self.capacity and key.dtype == self.dtype)
+
+    def begin(self, key: torch.Tensor, marked: Optional[torch.cuda.Event], ahead: bool) -> Ticket:
+        """Steps 1-2 of the module doc, queued on ``P`` while the layout exchange is in flight:
+        this rank's keys into its buffer (where they fit), its epoch to every peer, and with
+        ``ahead`` every peer's first ``m`` rows pulled into the gathered keys as if every rank had
+        this rank's ``m`` (checked against the layout by ``all_gather``)."""
+        p, epoch = self.stream, self.epoch
         if marked is not None:
             p.wait_event(marked)
         else:
-            p.wait_stream(main)
-        m, offset = key.shape[0], layout.key_offset()
+            p.wait_stream(torch.cuda.current_stream(self.device))
+        fits = key.numel() <= self.capacity and key.dtype == self.dtype
+        m, c = key.shape
+        keys = None
         with torch.cuda.stream(p):
-            # Allocated on p: a block freed on main after the mark may still be read by main's
-            # queued kernels; p's own blocks are not.
-            out = key.new_empty((layout.num_keys, c))
-            self.buf[: m * c].view(m, c).copy_(key)
-            dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
-            out[offset: offset + m].copy_(key)
-            for r, rows in enumerate(layout.key_sizes):
-                if r != self.rank and rows:
-                    start = layout.key_offset(r)
-                    out[start: start + rows].copy_(self.peers[r][: rows * c].view(rows, c))
+            if fits:
+                self.buf[: m * c].view(m, c).copy_(key)
+            for r in range(self.world):  # (every call: a peer may be waiting for it)
+                if r != self.rank:
+                    self.ops.write(p, self.peer_signals[r], epoch)
+            if fits and ahead and m:
+                keys = key.new_empty((self.world * m, c))  # (on p: see all_gather)
+                self._pull(keys, key, epoch, [m] * self.world)
+        return Ticket(epoch, fits, keys)
+
+    def _pull(self, out: torch.Tensor, key: torch.Tensor, epoch: int, sizes) -> None:
+        """On ``P``: wait for every peer's ``epoch`` (``None``: no wait), then its ``sizes[r]`` rows into ``out`` (rank
+        order), this rank's from ``key``."""
+        c, start = key.shape[1], 0
+        for r, rows in enumerate(sizes):
+            if r == self.rank:
+                out[start: start + rows].copy_(key)
+            elif rows:
+                if epoch is not None:  # (None: the barrier protocol's all-reduce ordered it)
+                    self.ops.wait(self.stream, self._slot(r), epoch)
+                out[start: start + rows].copy_(self.peers[r][: rows * c].view(rows, c))
+            start += rows
+
+    def settle(self, ticket: Ticket, layout: Optional[RingLayout]) -> bool:
+        """After the layout exchange (``None``: it raised): whether every rank staged this call's
+        keys in step. Where not, this rank's own signal slots are set to the call's epoch from the
+        current stream, so that nothing on ``P`` waits for a signal that will not come, and the
+        epoch is brought to the largest of the group (ranks out of step: a call that raised on
+        some ranks before its exchange). The current stream then waits for ``P``: a peer's buffer
+        is read before this rank's next collective."""
+        main = torch.cuda.current_stream(self.device)
+        tags = () if layout is None else layout.staged
+        in_step = len(tags) == self.world and all(t and t // 2 == ticket.epoch for t in tags)
+        if not in_step:
+            for r in range(self.world):
+                if r != self.rank:
+                    self.ops.write(main, self._slot(r), ticket.epoch)
+            if tags:
+                self.epoch = max(t // 2 for t in tags)
+        main.wait_stream(self.stream)
+        return in_step and all(t % 2 for t in tags)
+
+    def all_gather(self, key: torch.Tensor, layout: RingLayout, marked: Optional[torch.cuda.Event],
+                   ticket: Optional[Ticket] = None, staged: bool = False) -> torch.Tensor:
+        """Every rank's keys in rank order ``[M, c]`` (the module doc's protocols; ``staged``:
+        ``settle``'s answer for ``ticket``)."""
+        c, m = key.shape[1], key.shape[0]
+        main = torch.cuda.current_stream(self.device)
+        p = self.stream
+        if staged and ticket.keys is not None and all(k == m for k in layout.key_sizes):
+            out, how = ticket.keys, "ahead"
+        else:
+            if marked is not None:
+                p.wait_event(marked)
+            else:
+                p.wait_stream(main)
+            if not staged:
+                self._fit(max(layout.key_sizes) * c, key.dtype)
+            with torch.cuda.stream(p):
+                # Allocated on p: a block freed on main after the mark may still be read by main's
+                # queued kernels; p's own blocks are not.
+                out = key.new_empty((layout.num_keys, c))
+                if staged:
+                    self._pull(out, key, ticket.epoch, layout.key_sizes)
+                    how = "staged"
+                else:
+                    self.buf[: m * c].view(m, c).copy_(key)
+                    dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+                    self._pull(out, key, None, layout.key_sizes)
+                    how = "barrier"
         main.wait_stream(p)
         out.record_stream(main)  # (used on main from here; freed once main's uses are done)
+        self.counts[how] += 1
         return out
 
 
@@ -160,7 +307,7 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
         try:
             import torch.distributed._symmetric_memory as symm
 
-            transport = PeerKeys(group, device, symm)
+            transport = PeerKeys(group, device, symm)  # the signals' rendezvous and the driver's ops
             transport._fit(1, torch.float32)  # the rendezvous: every rank, or an error on every rank
         except Exception:  # noqa: BLE001 - no symmetric memory here: the process group's all-gather
             transport = None
@@ -170,14 +317,23 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
     return transport
 
 
-def mark(group, device: torch.device) -> Optional[torch.cuda.Event]:
-    """An event on the current stream where a group with a transport will gather its keys from (see
-    step 1): recorded before the own block's kernels are queued, so that the copies do not wait
-    for them. ``None`` without a transport (none is set up before the first call that wants one)."""
-    if device.type != "cuda" or not _TRANSPORTS:
+def transport_of(group, device: torch.device) -> Optional[PeerKeys]:
+    """The group's transport where one is set up and the setting is on (a lookup, no collective),
+    else ``None``. The same on every rank of the group."""
+    if PEER_COPY != "1" or device.type != "cuda" or not _TRANSPORTS:
         return None
     pg = _process_group(group)
     got = _TRANSPORTS.get(id(pg))
-    if got is None or got[0] is not pg or got[1] is None:
+    if got is None or got[0] is not pg:
+        return None
+    return got[1]
+
+
+def mark(group, device: torch.device) -> Optional[torch.cuda.Event]:
+    """An event on the current stream where a group with a transport will gather its keys from (see
+    the module doc): recorded before the own block's kernels are queued, so that the copies do not
+    wait for them. ``None`` without a transport (none is set up before the first call that wants
+    one)."""
+    if transport_of(group, device) is None:
         return None
     return torch.cuda.current_stream(device).record_event()

@@ -365,6 +365,34 @@ def last_algorithm() -> Optional[str]:
     return _LAST["algorithm"]
 
 
+def _exchange(query, key, labels, symmetric, group, own):
+    """``(layout, staged)``: the layout exchange of ``ring_infonce``, and where the group has a
+    copy-engine transport (``ds_infcl.loss.peer_copy``), this call's keys staged for it while the
+    exchange is in flight (``staged``: ``(ticket, whether every rank staged in step)``, else
+    ``None``). The transport's epoch advances on every call, on every rank alike."""
+    transport = peer_copy.transport_of(group, key.device)
+    tag, box = 0, []
+    if transport is not None:
+        tag = transport.tag(key)
+
+        def between():  # (own block early: the gather path expected, its keys pulled ahead)
+            box.append(transport.begin(key, None if own is None else own.mark, ahead=own is not None))
+
+    try:
+        layout = exchange_layout(
+            query, key, group, protocol="ring_lse",
+            flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
+            explicit_labels=labels is not None, staged=tag, between=None if transport is None else between,
+        )
+    except BaseException:
+        if box:
+            transport.settle(box[0], None)
+        raise
+    if not box:
+        return layout, None
+    return layout, (box[0], transport.settle(box[0], layout))
+
+
 def ring_infonce(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -389,16 +417,12 @@ def ring_infonce(
         labels = labels.to(device=query.device, dtype=torch.long)
     query, key = query.contiguous(), key.contiguous()
     own = own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group), group)
-    layout = exchange_layout(
-        query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
-        explicit_labels=labels is not None,
-    )
+    layout, staged = _exchange(query, key, labels, symmetric, group, own)
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or scale_t.requires_grad)
         return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
-                                           layout, group, own, grad)
+                                           layout, group, own, grad, staged)
     return RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
                                      group)

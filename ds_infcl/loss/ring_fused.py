@@ -242,7 +242,7 @@ class GatherInfoNCEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None,
-                grad=False):
+                grad=False, staged=None):
         from ds_infcl.loss.ring import own_backward_early
 
         s = scale.detach()  # read on the device by the kernels: no host sync
@@ -250,7 +250,8 @@ class GatherInfoNCEFunction(torch.autograd.Function):
         b = query.shape[0]
         transport = peer_copy.peer_keys(group, layout, key.device)  # (the same on every rank)
         if transport is not None:  # one host: the copy engines, beside the own block's kernels
-            key_all = transport.all_gather(key, layout, None if own is None else own.mark)
+            key_all = transport.all_gather(key, layout, None if own is None else own.mark,
+                                           *(staged if staged is not None else ()))
         else:
             key_all = all_gather_rows(key, layout.key_sizes, group)
         m, offset, num_keys = key.shape[0], layout.key_offset(), layout.num_keys
@@ -346,7 +347,7 @@ def _backward_outputs(ctx, dq, dk, dscale):
     """``GatherInfoNCEFunction.backward``'s return: the gradients of the query, the key and the
     scale (in the scale's shape; ``None`` where it needs none), ``None`` for the other arguments."""
     dscale = dscale.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-    return dq, dk, dscale, None, None, None, None, None, None, None, None
+    return dq, dk, dscale, None, None, None, None, None, None, None, None, None
 
 
 def _backward_rest(ctx, query, key, key_all, s, row, col, w, grad_col_all, sizes, own_grads, grad):

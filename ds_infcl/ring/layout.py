@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
-_NUM_FIELDS = 9  # b, m, c, dtype, device type, protocol, flags, settings, explicit labels
+_NUM_FIELDS = 10  # b, m, c, dtype, device type, protocol, flags, settings, explicit labels, staged
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class RingLayout:
     send_to: int  # global rank of group rank (rank + 1) mod world
     recv_from: int  # global rank of group rank (rank - 1) mod world
     diagonal: bool = False  # every rank pairs query i with its key i (no explicit labels anywhere)
+    # Every rank's ``staged`` value, rank order: a loss path's own per-rank tag that needs no
+    # agreement (the gather path's copy-engine keys: ds_infcl.loss.peer_copy); ``()`` where none.
+    staged: Tuple[int, ...] = ()
 
     @property
     def num_queries(self) -> int:
@@ -176,6 +179,8 @@ def exchange_layout(
     flags: int = 0,
     settings: int = 0,
     explicit_labels: bool = True,
+    staged: int = 0,
+    between: Optional[Callable[[], None]] = None,
 ) -> RingLayout:
     """Gather every rank's sizes and metadata, check that they agree, return the layout.
 
@@ -184,26 +189,37 @@ def exchange_layout(
     settings that steer the algorithm and must agree too (``ds_infcl.loss.ring``: its
     ``DS_INFCL_*`` environment variables; ranks that chose different algorithms would wait on each
     other's collectives). ``explicit_labels`` may differ between ranks: the layout's ``diagonal``
-    says whether no rank passed labels. Raises ``ValueError`` on every rank, with
-    a per-rank listing, when feature dims, dtypes, device types, protocols or flags differ or the
-    global batch is empty.
+    says whether no rank passed labels. ``staged`` is passed through unchecked, each rank's in
+    the layout's ``staged`` (a loss path's per-rank tag, e.g. that its keys already wait in a
+    peer-readable buffer: ``ds_infcl.loss.peer_copy``). ``between`` runs once the exchange is
+    posted and before its result is read (host work that the exchange's latency hides). Raises
+    ``ValueError`` on every rank, with a per-rank listing, when feature dims, dtypes, device
+    types, protocols or flags differ or the global batch is empty.
     """
     group = resolve_group(group)
     world, rank = group_size(group), group_rank(group)
     b, m, c = query.shape[0], key.shape[0], query.shape[1]
     mine = [
         b, m, c, _DTYPE_CODES.get(query.dtype, 99), _DEVICE_CODES.get(query.device.type, 99),
-        PROTOCOLS[protocol], int(flags), int(settings), int(bool(explicit_labels)),
+        PROTOCOLS[protocol], int(flags), int(settings), int(bool(explicit_labels)), int(staged),
     ]
     if world == 1:
+        if between is not None:
+            between()
         table = [mine]
     else:
         dev = comm_device(group, query.device)
         with _metadata_stream(dev):
-            local = torch.tensor(mine, dtype=torch.int64, device=dev)
             gathered = torch.empty((world * _NUM_FIELDS,), dtype=torch.int64, device=dev)
-            all_gather_single(gathered, local, group=group)
-            table = gathered.view(world, _NUM_FIELDS).tolist()
+            all_gather_single(gathered, torch.tensor(mine, dtype=torch.int64, device=dev), group=group)
+            if between is None:
+                table = gathered.view(world, _NUM_FIELDS).tolist()
+        if between is not None:  # (on the caller's streams, while the exchange is in flight)
+            try:
+                between()
+            finally:  # (read back even if it raised: the exchange ends on this rank either way)
+                with _metadata_stream(dev):
+                    table = gathered.view(world, _NUM_FIELDS).tolist()
     _check_table(table, protocol)
     return RingLayout(
         world=world,
@@ -214,4 +230,5 @@ def exchange_layout(
         send_to=global_rank(group, (rank + 1) % world) if world > 1 else -1,
         recv_from=global_rank(group, (rank - 1) % world) if world > 1 else -1,
         diagonal=not any(row[8] for row in table),
+        staged=tuple(row[9] for row in table),
     )

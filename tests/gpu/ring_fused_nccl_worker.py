@@ -114,7 +114,7 @@ def graph_check(rank, world, device, early, own_early):
     return max(rel(x, y) for x, y in pairs), all(torch.equal(x, y) for x, y in pairs), kept, replays
 
 
-def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0"))):
+def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0")), equal=False, skew=False):
     """Largest relative difference, graphs against eager, of two forwards followed by their two
     backwards (the second forward replays the graphs whose buffers the first backward needs: the
     own block's backward kept from the forward is computed again, ``outputs_intact``, and the
@@ -125,7 +125,11 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
     block computed before the layout exchange. ``modes``: the two runs compared, each
     ``(DS_INFCL_CUDA_GRAPH, DS_INFCL_PEER_COPY)``, the copy engines taking every size when on
     (``ds_infcl.loss.peer_copy``; the default pair: eager against graphs, the process group's
-    all-gather in both). Returns ``(largest relative difference, bitwise equal)``."""
+    all-gather in both). ``equal``: every rank starts with the same sizes (the copy engines' keys
+    pulled ahead of the layout). ``skew``: before the second run's interleaved calls, rank 0's
+    transport is put one epoch ahead of the others' (ranks out of step: the layout must bring
+    them back, with no wait left hanging). Returns ``(largest relative difference, bitwise
+    equal)``."""
     from ds_infcl.loss import peer_copy
     from ds_infcl.ops import infonce_graph as ig
 
@@ -140,7 +144,7 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
     peer_copy.PEER_COPY_MIN_ROWS = 0
 
     def inputs(seed, grown):
-        b = 700 + 1111 * rank + (256 if grown and rank else 0)
+        b = 700 + (0 if equal else 1111 * rank) + (256 if grown and rank else 0)
         g = torch.Generator().manual_seed(100 * seed + rank)
         q = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
         k = torch.nn.functional.normalize(torch.randn(b, 256, generator=g), dim=1).to(device, torch.bfloat16)
@@ -158,6 +162,8 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
         for grown in (False, True):
             for seed in range(3):  # the shapes' graphs captured and replayed once
                 loss_of(*inputs(seed, grown)).backward()
+        if skew and rank == 0 and mode[1] == "1":
+            next(t for _, t in peer_copy._TRANSPORTS.values() if t is not None).epoch += 1
         for second_grown in (False, True):
             (q1, k1), (q2, k2) = inputs(10, False), inputs(11, second_grown)
             loss1, loss2 = loss_of(q1, k1), loss_of(q2, k2)
@@ -224,20 +230,35 @@ def main():
                   f"eager: largest rel diff {diff.item():.2e}", flush=True)
     # The keys by the copy engines against the process group's all-gather (graphs on, the same
     # interleaved calls): the same bytes gathered, so bitwise the same results; and the copy
-    # engines must have been used (a transport set up for the world group).
+    # engines must have been used (a transport set up for the world group): pulled ahead of the
+    # layout where the own block runs early and the sizes are equal, else staged, the barrier
+    # protocol only to set up and to grow the buffers; and ranks put out of step must recover.
     from ds_infcl.loss import peer_copy
 
-    for early in (False, True):
-        _, same = interleaved_check(rank, world, device, early, modes=(("auto", "0"), ("auto", "1")))
-        used = any(t is not None for _, t in peer_copy._TRANSPORTS.values())
-        stats = torch.tensor([float(not same), float(not used)], device=device)
+    def counts():
+        got = [t.counts for _, t in peer_copy._TRANSPORTS.values() if t is not None]
+        return dict(got[0]) if got else {"ahead": 0, "staged": 0, "barrier": 0}
+
+    for early, equal, skew in ((False, False, False), (True, False, False), (True, True, False),
+                               (True, True, True)):
+        before = counts()
+        _, same = interleaved_check(rank, world, device, early, modes=(("auto", "0"), ("auto", "1")),
+                                    equal=equal, skew=skew)
+        got = {k: counts()[k] - before[k] for k in before}
+        # 10 calls per mode (six warm-up, four interleaved); with equal sizes the three first
+        # warm-up calls and the two first forwards and the second's of the same size have them.
+        want_ahead = (6 - skew) if early and equal else 0
+        expected = got["ahead"] >= want_ahead and sum(got.values()) == 10 and got["barrier"] <= 2 + skew
+        stats = torch.tensor([float(not same), float(not expected)], device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         ok = stats.sum().item() == 0
         failed += not ok
         if rank == 0:
-            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''}, keys by "
-                  f"the copy engines against the all-gather: bitwise equal on every rank {not bool(stats[0])}, "
-                  f"copy engines used {not bool(stats[1])}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} W={world} gather path{' (own block early)' if early else ''}"
+                  f"{' equal sizes' if equal else ''}{' epochs skewed' if skew else ''}, keys by the copy "
+                  f"engines against the all-gather: bitwise equal on every rank {not bool(stats[0])}, calls "
+                  f"ahead / staged / barrier {got['ahead']} / {got['staged']} / {got['barrier']} (as expected on "
+                  f"every rank: {not bool(stats[1])})", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -267,6 +267,22 @@ def test_ranks_with_different_algorithm_settings_stop_with_one_error():
         assert "disagree on the algorithm settings" in msg and "DS_INFCL_ALGORITHM" in msg, (rank, msg)
 
 
+def _staged_worker(rank, world, payload):
+    from ds_infcl.ring.layout import exchange_layout
+
+    q, k = torch.zeros(3 + rank, C), torch.zeros(5 - rank, C)
+    tagged = exchange_layout(q, k, None, staged=(7 + rank) * rank)  # rank 0 untagged
+    plain = exchange_layout(q, k, None)
+    return tagged.staged, plain.staged, tagged.key_sizes
+
+
+def test_the_layout_carries_every_ranks_staged_tag_unchecked():
+    """``exchange_layout(staged=...)`` hands every rank all ranks' tags in rank order, without
+    requiring them to agree (the copy-engine keys' epochs, ds_infcl.loss.peer_copy); 0 by default."""
+    for staged, plain, key_sizes in spawn(_staged_worker, 3, None, timeout=90):
+        assert staged == (0, 8, 18) and plain == (0, 0, 0) and key_sizes == (5, 4, 3)
+
+
 def _import_error(module: str, **env) -> str:
     r = subprocess.run([sys.executable, "-c", f"import {module}"], env=dict(os.environ, **env),
                        capture_output=True, text=True, timeout=120)
