@@ -1,0 +1,153 @@
+"""The layout exchange through the host's shared memory (``ds_infcl.ring.host_exchange``), on gloo
+ranks of one host with ``MODE = "1"``: the same layouts as the process group's all-gather over
+calls whose sizes change on every rank, a failed input check that stops every rank, a rank that
+never arrives (an error naming it, not a hang), ranks that disagree on the setting (both fall
+back), and the loss over it against the reference."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from tests.ring.ring_harness import spawn
+
+C = 8
+
+
+def _sizes(call: int, rank: int):
+    return 1 + (3 * call + 5 * rank) % 7, (2 * call + rank) % 5  # (a rank with no keys now and then)
+
+
+def _layouts(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = payload["mode"][rank]
+    seen, between = [], []
+    for call in range(8):  # more calls than slots: every slot written again
+        b, m = _sizes(call, rank)
+        layout = exchange_layout(torch.zeros(b, C), torch.zeros(m, C), None,
+                                 staged=100 * call + rank, between=lambda: between.append(call))
+        seen.append((layout.query_sizes, layout.key_sizes, layout.staged))
+    channel = next(iter(host_exchange._CHANNELS.values()))[1]
+    return {"seen": seen, "between": between, "channel": channel is not None}
+
+
+@pytest.mark.parametrize("modes, used", [(("1", "1", "1"), True), (("1", "0", "1"), False)])
+def test_layouts_over_shared_memory_match_every_rank(modes, used):
+    """Every rank gets every rank's sizes and tags of each call, in rank order; ``between`` runs
+    once per call; a rank that does not want the channel makes every rank use the process group."""
+    results = spawn(_layouts, 3, {"mode": modes}, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["channel"] is used, (rank, res["channel"])
+        assert res["between"] == list(range(8))
+        for call, (qs, ks, staged) in enumerate(res["seen"]):
+            want = [_sizes(call, r) for r in range(3)]
+            assert qs == tuple(b for b, _ in want), (rank, call)
+            assert ks == tuple(m for _, m in want), (rank, call)
+            assert staged == tuple(100 * call + r for r in range(3)), (rank, call)
+
+
+def _input_error(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import agree_on_input_errors, exchange_layout
+
+    host_exchange.MODE = "1"
+    exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)  # (the channel set up)
+    try:
+        if rank == 1:
+            with agree_on_input_errors():
+                raise ValueError("rank 1's own input error")
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    except ValueError as err:
+        after = exchange_layout(torch.zeros(3, C), torch.zeros(1, C), None)  # still in step
+        return str(err), after.query_sizes
+    return "no error", None
+
+
+def test_a_rank_that_rejects_its_inputs_stops_every_rank_over_shared_memory():
+    (msg0, after0), (msg1, after1) = spawn(_input_error, 2, None, timeout=90)
+    assert "rank(s) [1]" in msg0 and "rejected their local inputs" in msg0, msg0
+    assert msg1 == "rank 1's own input error"
+    assert after0 == after1 == (3, 3)
+
+
+def _missing(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE, host_exchange.TIMEOUT_S = "1", 1.0
+    exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    if rank == 1:  # calls the loss once fewer than rank 0
+        time.sleep(3.0)
+        return "left"
+    start = time.monotonic()
+    try:
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    except RuntimeError as err:
+        return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_rank_that_never_arrives_is_an_error_naming_it():
+    (msg, waited), left = spawn(_missing, 2, None, timeout=90)
+    assert left == "left"
+    assert "rank(s) [1]" in msg and "DS_INFCL_LAYOUT_SHM_TIMEOUT=1 s" in msg, msg
+    assert 1.0 <= waited < 2.5, waited
+
+
+def _loss(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.ring import host_exchange
+
+    host_exchange.MODE = "1"
+    out = []
+    for call, b in enumerate((5, 3, 6, 4)):  # sizes differ per rank and per call
+        g = torch.Generator().manual_seed(10 * call + rank)
+        q = torch.nn.functional.normalize(torch.randn(b + rank, C, generator=g), dim=1)
+        k = torch.nn.functional.normalize(torch.randn(b + rank, C, generator=g), dim=1)
+        q.requires_grad_(True)
+        k.requires_grad_(True)
+        loss = contrastive_loss(q, k, torch.tensor(7.0), symmetric=True, impl="infcl",
+                                backend="torch")
+        loss.backward()
+        out.append((q.detach(), k.detach(), loss.detach(), q.grad, k.grad))
+    return out, next(iter(host_exchange._CHANNELS.values()))[1] is not None
+
+
+def test_the_loss_over_shared_memory_matches_the_reference():
+    """The global symmetric InfoNCE (unequal sizes per rank and per call) with its layouts over
+    shared memory: the loss and the gradients of the data-parallel contract (each rank's
+    gradient is the world size times the global loss's gradient of its rows)."""
+    results = spawn(_loss, 2, None, timeout=120)
+    assert all(used for _, used in results)
+    for call in range(4):
+        parts = [res[0][call] for res in results]
+        q = torch.cat([p[0] for p in parts]).double().requires_grad_(True)
+        k = torch.cat([p[1] for p in parts]).double().requires_grad_(True)
+        logits = 7.0 * q @ k.T
+        target = torch.arange(len(q))
+        ref = 0.5 * (torch.nn.functional.cross_entropy(logits, target)
+                     + torch.nn.functional.cross_entropy(logits.T, target))
+        ref.backward()
+        start = 0
+        for p in parts:
+            n = len(p[0])
+            assert torch.allclose(p[2].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.allclose(p[3].double() / 2, q.grad[start: start + n], rtol=1e-4, atol=1e-6)
+            assert torch.allclose(p[4].double() / 2, k.grad[start: start + n], rtol=1e-4, atol=1e-6)
+            start += n
+
+
+def test_a_bad_setting_stops_the_import():
+    import subprocess
+    import sys
+
+    for name, value, want in (("DS_INFCL_LAYOUT_SHM", "yes", "must be auto, 0 or 1, got 'yes'"),
+                              ("DS_INFCL_LAYOUT_SHM_TIMEOUT", "0", "must be a number of seconds > 0, got '0'")):
+        r = subprocess.run([sys.executable, "-c", "import ds_infcl.ring"], env=dict(os.environ, **{name: value}),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and f"{name} {want}" in r.stderr, r.stderr
