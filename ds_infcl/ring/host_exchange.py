@@ -17,10 +17,11 @@ writes become visible). A slot is written again three calls later, when every ra
 a rank writes call ``n + 3`` only after it has read every row of ``n + 1`` and ``n + 2``, which
 their writers wrote after reading ``n``.
 
-Set up once per group, by every rank together (``setup``: one all-gather of whether it wants the
-channel, a hash of its host's name and rank 0's token, one all-reduce of whether it could map the
-file): used only where every rank wants it and is on one host; else the process group's
-exchange, decided from gathered values, so ranks never disagree. ``DS_INFCL_LAYOUT_SHM``:
+Set up by a group's first two exchanges over the process group, which carry two more values per
+rank (``GroupState``): whether it wants the channel and its host's hash (rank 0 sends the file's
+token), then whether it could map the file. The channel is used only where every rank wants it,
+is on one host and mapped the file; else the process group for good. The decision comes from
+gathered values, so ranks never disagree, and no collective is added. ``DS_INFCL_LAYOUT_SHM``:
 ``auto`` (default) for NCCL groups, ``1`` for any backend (gloo too: the CPU tests), ``0`` never.
 A rank that does not arrive within ``DS_INFCL_LAYOUT_SHM_TIMEOUT`` seconds (default 1800) stops
 the waiting ranks with an error naming it, as the process group's timeout would.
@@ -28,6 +29,7 @@ the waiting ranks with an error naming it, as the process group's timeout would.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import secrets
@@ -42,14 +44,12 @@ import torch.distributed as dist
 
 from ds_infcl.ring.groups import group_rank, group_size
 
-__all__ = ["HostChannel", "MODE", "TIMEOUT_S", "channel_for"]
+__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "state_for"]
 
-# (ds_infcl.ring.layout's alias, which imports this module: recent torch renamed the collective)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 SLOTS = 3
 _DIR = "/dev/shm"
 _SPIN_S = 2e-4  # poll without yielding for this long, then yield the GIL between polls
-_CHANNELS: dict = {}  # id(process group) -> (process group, HostChannel or None)
+_CHANNELS: dict = {}  # id(process group) -> (process group, GroupState)
 
 
 def _setting() -> str:
@@ -132,8 +132,9 @@ class HostChannel:
                 if now > deadline:
                     raise RuntimeError(
                         f"layout exchange over host shared memory: rank(s) {pending} of the group did not "
-                        f"reach loss call {seq} within DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s (a rank "
-                        "stopped, or calls the loss fewer times than the others)")
+                        f"reach this loss call (the channel's exchange {seq}) within "
+                        f"DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s (a rank stopped, or calls the loss fewer "
+                        "times than the others)")
                 time.sleep(0 if now - start < 0.01 else 1e-4)
         return table
 
@@ -146,53 +147,91 @@ def _host_hash() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
+def _path(token: int) -> str:
+    return os.path.join(_DIR, f"ds_infcl_layout_{token:x}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class GroupState:
+    """Where a group's layout rows go, decided by its first two exchanges over the process group
+    (no collective of its own): each carries two more values per rank, ``setup_fields``, and
+    every rank reads the same gathered values (``update``), so every rank decides alike.
+
+    1. Whether the rank wants the channel (``MODE``) and its host's hash; rank 0, wanting it,
+       has created the file and sends its name's token instead of 1.
+    2. Whether the rank could map rank 0's file. Rank 0 then removes the name (every rank has
+       mapped it or given up).
+
+    From the third exchange on, ``channel`` is the group's channel, or ``None`` for good."""
+
+    def __init__(self, group, rank: int, world: int, width: int):
+        self.group, self.rank, self.world, self.width = group, rank, world, width
+        self.step, self.channel, self.token = 0, None, 0
+
+    @property
+    def ready(self) -> bool:
+        return self.step == 2 and self.channel is not None
+
+    def setup_fields(self, dev: torch.device) -> List[int]:
+        """``[host hash, word]`` for this exchange's row (``[0, 0]`` once decided)."""
+        if self.step == 0:
+            want = _wanted(self.group, dev) and os.path.isdir(_DIR)
+            if want and self.rank == 0:
+                self.token = secrets.randbits(62) | 2
+                try:
+                    self.channel = HostChannel(_path(self.token), self.world, 0, self.width, create=True)
+                    # (a process that exits before the second exchange removes it too)
+                    atexit.register(_unlink, _path(self.token))
+                except OSError:
+                    want, self.token = False, 0
+            return [_host_hash(), (self.token or 1) if want else 0]
+        if self.step == 1:
+            return [_host_hash(), int(self.channel is not None)]
+        return [0, 0]
+
+    def update(self, words: Sequence[int], hosts: Sequence[int]) -> None:
+        """After an exchange over the process group: every rank's ``word`` and host hash."""
+        if self.step == 0:
+            use = all(words) and len(set(hosts)) == 1 and words[0] > 1
+            if use and self.rank != 0:
+                try:
+                    self.channel = HostChannel(_path(words[0]), self.world, self.rank, self.width, create=False)
+                except OSError:
+                    self.channel = None
+            self.step = 1 if use else 2
+            if not use:
+                self._drop()
+        elif self.step == 1:
+            use = all(w == 1 for w in words)
+            self.step = 2
+            if not use:
+                self._drop()
+        if self.step == 2 and self.token:  # every rank has mapped it or given up: the name goes
+            _unlink(_path(self.token))
+            self.token = 0
+
+    def _drop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+
+
 def _wanted(group, dev: torch.device) -> bool:
     return MODE == "1" or (MODE == "auto" and dev.type == "cuda" and dist.get_backend(group) == "nccl")
 
 
-def setup(group, dev: torch.device, width: int) -> Optional[HostChannel]:
-    """The group's channel, or ``None`` (the process group's exchange): a collective of every rank
-    (see the module doc). ``dev``: the group's device for small collectives."""
-    world, rank = group_size(group), group_rank(group)
-    want = _wanted(group, dev) and os.path.isdir(_DIR)
-    token = (secrets.randbits(62) | 1) if rank == 0 and want else 0
-    path = os.path.join(_DIR, f"ds_infcl_layout_{token:x}")
-    channel = None
-    if token:
-        try:
-            channel = HostChannel(path, world, rank, width, create=True)
-        except OSError:
-            want, token = False, 0
-    try:
-        info = torch.tensor([int(want), _host_hash(), token], dtype=torch.int64, device=dev)
-        every = torch.empty((world * 3,), dtype=torch.int64, device=dev)
-        _all_gather(every, info, group=group)
-        every = every.view(world, 3).tolist()
-        use = all(w for w, _, _ in every) and len({h for _, h, _ in every}) == 1 and every[0][2] != 0
-        if use and rank != 0:
-            try:
-                channel = HostChannel(os.path.join(_DIR, f"ds_infcl_layout_{every[0][2]:x}"), world, rank,
-                                      width, create=False)
-            except OSError:
-                channel = None
-        ok = torch.tensor([int(use and channel is not None)], dtype=torch.int64, device=dev)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        use = bool(ok.item())
-    finally:
-        if token:  # every rank has mapped it (or given up): the name is no longer needed
-            os.unlink(path)
-    if not use and channel is not None:
-        channel.close()
-        channel = None
-    return channel
-
-
-def channel_for(group, dev: torch.device, width: int) -> Optional[HostChannel]:
-    """The group's channel (set up by every rank together at its first exchange), or ``None``."""
+def state_for(group, width: int) -> GroupState:
+    """The group's state (made at its first exchange; a lookup, no collective)."""
     pg = group if group is not None else dist.group.WORLD
     got = _CHANNELS.get(id(pg))
     if got is not None and got[0] is pg:
         return got[1]
-    channel = setup(group, dev, width)
-    _CHANNELS[id(pg)] = (pg, channel)  # (the group is kept: its id is not reused meanwhile)
-    return channel
+    state = GroupState(group, group_rank(group), group_size(group), width)
+    _CHANNELS[id(pg)] = (pg, state)  # (the group is kept: its id is not reused meanwhile)
+    return state

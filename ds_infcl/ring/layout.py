@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ds_infcl.ring.groups import global_rank, group_rank, group_size, resolve_group
-from ds_infcl.ring.host_exchange import channel_for
+from ds_infcl.ring.host_exchange import state_for
 
 __all__ = [
     "RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS",
@@ -45,7 +45,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "xpu": 2, "hpu": 3, "mps": 4}
 _DEVICE_NAMES = {v: k for k, v in _DEVICE_CODES.items()}
-_NUM_FIELDS = 10  # b, m, c, dtype, device type, protocol, flags, settings, explicit labels, staged
+_NUM_FIELDS = 12  # b, m, c, dtype, device type, protocol, flags, settings, explicit labels, staged,
+# and the host-memory channel's two setup values (ds_infcl.ring.host_exchange.GroupState)
 
 
 @dataclass(frozen=True)
@@ -150,13 +151,7 @@ def agree_on_input_errors(group=None):
         if group_size(group) > 1:
             row = torch.zeros(_NUM_FIELDS, dtype=torch.int64)
             row[5] = _INPUT_ERROR
-            dev = _comm_device_without_inputs(group)
-            channel = channel_for(group, dev, _NUM_FIELDS)
-            if channel is not None:
-                channel.exchange(row.tolist())
-            else:
-                gathered = torch.empty((group_size(group) * _NUM_FIELDS,), dtype=torch.int64, device=dev)
-                all_gather_single(gathered, row.to(dev), group=group)
+            _exchange_rows(row.tolist(), group, _comm_device_without_inputs(group), None)
         raise
 
 
@@ -181,21 +176,25 @@ def _metadata_stream(device: torch.device):
 def _exchange_rows(mine, group, dev: torch.device, between) -> list:
     """Every rank's row of ``exchange_layout``: through the host's shared memory where every rank
     of the group is on one host (``ds_infcl.ring.host_exchange``: no collective, no CUDA call),
-    else by one all-gather on the metadata stream."""
-    channel = channel_for(group, dev, _NUM_FIELDS)
-    if channel is not None:
-        return channel.exchange(mine, between)
+    else by one all-gather on the metadata stream, whose rows also carry the channel's setup."""
+    state = state_for(group, _NUM_FIELDS)
+    if state.ready:
+        return state.channel.exchange(mine, between)
     world = group_size(group)
+    mine = list(mine[:_NUM_FIELDS - 2]) + state.setup_fields(dev)
     with _metadata_stream(dev):
         gathered = torch.empty((world * _NUM_FIELDS,), dtype=torch.int64, device=dev)
         all_gather_single(gathered, torch.tensor(mine, dtype=torch.int64, device=dev), group=group)
         if between is None:
-            return gathered.view(world, _NUM_FIELDS).tolist()
-    try:  # (``between`` on the caller's streams, while the exchange is in flight)
-        between()
-    finally:  # (read back even if it raised: the exchange ends on this rank either way)
-        with _metadata_stream(dev):
             table = gathered.view(world, _NUM_FIELDS).tolist()
+    if between is not None:
+        try:  # (``between`` on the caller's streams, while the exchange is in flight)
+            between()
+        finally:  # (read back even if it raised: the exchange ends on this rank either way)
+            with _metadata_stream(dev):
+                table = gathered.view(world, _NUM_FIELDS).tolist()
+    if state.step < 2:
+        state.update([row[-1] for row in table], [row[-2] for row in table])
     return table
 
 
@@ -230,7 +229,7 @@ def exchange_layout(
     b, m, c = query.shape[0], key.shape[0], query.shape[1]
     mine = [
         b, m, c, _DTYPE_CODES.get(query.dtype, 99), _DEVICE_CODES.get(query.device.type, 99),
-        PROTOCOLS[protocol], int(flags), int(settings), int(bool(explicit_labels)), int(staged),
+        PROTOCOLS[protocol], int(flags), int(settings), int(bool(explicit_labels)), int(staged), 0, 0,
     ]
     if world == 1:
         if between is not None:

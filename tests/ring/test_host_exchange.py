@@ -32,14 +32,14 @@ def _layouts(rank, world, payload):
         layout = exchange_layout(torch.zeros(b, C), torch.zeros(m, C), None,
                                  staged=100 * call + rank, between=lambda: between.append(call))
         seen.append((layout.query_sizes, layout.key_sizes, layout.staged))
-    channel = next(iter(host_exchange._CHANNELS.values()))[1]
-    return {"seen": seen, "between": between, "channel": channel is not None}
+    return {"seen": seen, "between": between, "channel": next(iter(host_exchange._CHANNELS.values()))[1].ready}
 
 
 @pytest.mark.parametrize("modes, used", [(("1", "1", "1"), True), (("1", "0", "1"), False)])
 def test_layouts_over_shared_memory_match_every_rank(modes, used):
-    """Every rank gets every rank's sizes and tags of each call, in rank order; ``between`` runs
-    once per call; a rank that does not want the channel makes every rank use the process group."""
+    """Every rank gets every rank's sizes and tags of each call, in rank order (the first two calls
+    over the process group, which set the channel up, the others over it); ``between`` runs once
+    per call; a rank that does not want the channel makes every rank use the process group."""
     results = spawn(_layouts, 3, {"mode": modes}, timeout=120)
     for rank, res in enumerate(results):
         assert res["channel"] is used, (rank, res["channel"])
@@ -56,7 +56,8 @@ def _input_error(rank, world, payload):
     from ds_infcl.ring.layout import agree_on_input_errors, exchange_layout
 
     host_exchange.MODE = "1"
-    exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)  # (the channel set up)
+    for _ in range(2):  # (the channel set up)
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
     try:
         if rank == 1:
             with agree_on_input_errors():
@@ -80,7 +81,8 @@ def _missing(rank, world, payload):
     from ds_infcl.ring.layout import exchange_layout
 
     host_exchange.MODE, host_exchange.TIMEOUT_S = "1", 1.0
-    exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    for _ in range(2):  # (the channel set up)
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
     if rank == 1:  # calls the loss once fewer than rank 0
         time.sleep(3.0)
         return "left"
@@ -115,7 +117,7 @@ def _loss(rank, world, payload):
                                 backend="torch")
         loss.backward()
         out.append((q.detach(), k.detach(), loss.detach(), q.grad, k.grad))
-    return out, next(iter(host_exchange._CHANNELS.values()))[1] is not None
+    return out, next(iter(host_exchange._CHANNELS.values()))[1].ready
 
 
 def test_the_loss_over_shared_memory_matches_the_reference():
