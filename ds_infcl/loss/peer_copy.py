@@ -59,15 +59,14 @@ it, and the 16k call is bound by its host. Hence off by default.
 from __future__ import annotations
 
 import ctypes
-import socket
-import zlib
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ds_infcl.ops.validation import choice_setting, int_setting
-from ds_infcl.ring.groups import group_rank, group_size
+from ds_infcl.ring.groups import PerGroup, group_rank, group_size, process_group
+from ds_infcl.ring.host_exchange import host_hash
 from ds_infcl.ring.layout import RingLayout, all_gather_single
 
 __all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of", "settings_text"]
@@ -80,19 +79,13 @@ PEER_COPY = choice_setting("DS_INFCL_PEER_COPY", "0", ("0", "1"))
 # the host, which the extra stream work would slow.
 PEER_COPY_MIN_ROWS = int_setting("DS_INFCL_PEER_COPY_MIN_ROWS", 16384, minimum=0)
 
-_TRANSPORTS: dict = {}  # id(process group) -> (process group, PeerKeys or None)
+_TRANSPORTS = PerGroup()  # process group -> PeerKeys, or None where it could not be set up
 _EPOCHS = 0xFFFFFFFF  # epochs run 1 .. 2**32 - 1 (the driver compares them cyclically, 0: not staged)
 
 
 def settings_text() -> str:
     """This module's settings, for the fingerprint that ranks exchange with their layout."""
     return f"{PEER_COPY}|{PEER_COPY_MIN_ROWS}"
-
-
-def _process_group(group):
-    """The group's process-group object (``None``: the current default group, so that a default
-    group destroyed and made again does not find the old one's transport)."""
-    return group if group is not None else dist.group.WORLD
 
 
 def _wanted(layout: RingLayout, device: torch.device) -> bool:
@@ -153,7 +146,7 @@ class PeerKeys:
         # the address of this rank's slot in rank r's array.
         self.signals = symm.empty(self.world, dtype=torch.int32, device=device)
         self.signals.zero_()
-        self.signal_handle = symm.rendezvous(self.signals, _process_group(group))
+        self.signal_handle = symm.rendezvous(self.signals, process_group(group))
         self.peer_signals = [self.signal_handle.get_buffer(r, (self.world,), torch.int32).data_ptr() + 4 * self.rank
                              for r in range(self.world)]
         self.epoch = 0  # the same on every rank: one per ring_infonce call while the transport is on
@@ -177,16 +170,26 @@ class PeerKeys:
             torch.cuda.synchronize(self.device)
             _agree(True, self.group, self.device)
         self.buf = self.symm.empty(numel, dtype=dtype, device=self.device)
-        self.handle = self.symm.rendezvous(self.buf, _process_group(self.group))
+        self.handle = self.symm.rendezvous(self.buf, process_group(self.group))
         self.peers = [self.handle.get_buffer(r, (numel,), dtype) if r != self.rank else None
                       for r in range(self.world)]
         self.capacity, self.dtype = numel, dtype
+
+    def _fits(self, key: torch.Tensor) -> bool:
+        return key.numel() <= self.capacity and key.dtype == self.dtype
+
+    def _after_keys(self, marked: Optional[torch.cuda.Event]) -> None:
+        """``P`` waits until the keys are ready: the mark, else the current stream as it is now."""
+        if marked is not None:
+            self.stream.wait_event(marked)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def tag(self, key: torch.Tensor) -> int:
         """The next epoch and whether ``key`` fits the buffers, as the layout's ``staged`` value
         (``2 epoch + fits``; never 0)."""
         self.epoch = self.epoch % _EPOCHS + 1
-        return 2 * self.epoch + int(key.numel() <= self.capacity and key.dtype == self.dtype)
+        return 2 * self.epoch + int(self._fits(key))
 
     def begin(self, key: torch.Tensor, marked: Optional[torch.cuda.Event], ahead: bool) -> Ticket:
         """Steps 1-2 of the module doc, queued on ``P`` while the layout exchange is in flight:
@@ -194,11 +197,8 @@ class PeerKeys:
         ``ahead`` every peer's first ``m`` rows pulled into the gathered keys as if every rank had
         this rank's ``m`` (checked against the layout by ``all_gather``)."""
         p, epoch = self.stream, self.epoch
-        if marked is not None:
-            p.wait_event(marked)
-        else:
-            p.wait_stream(torch.cuda.current_stream(self.device))
-        fits = key.numel() <= self.capacity and key.dtype == self.dtype
+        self._after_keys(marked)
+        fits = self._fits(key)
         m, c = key.shape
         keys = None
         with torch.cuda.stream(p):
@@ -213,8 +213,8 @@ class PeerKeys:
         return Ticket(epoch, fits, keys)
 
     def _pull(self, out: torch.Tensor, key: torch.Tensor, epoch: int, sizes) -> None:
-        """On ``P``: wait for every peer's ``epoch`` (``None``: no wait), then its ``sizes[r]`` rows into ``out`` (rank
-        order), this rank's from ``key``."""
+        """On ``P``: wait for every peer's ``epoch`` (``None``: no wait), then its ``sizes[r]`` rows
+        into ``out`` (rank order), this rank's from ``key``."""
         c, start = key.shape[1], 0
         for r, rows in enumerate(sizes):
             if r == self.rank:
@@ -254,10 +254,7 @@ class PeerKeys:
         if staged and ticket.keys is not None and all(k == m for k in layout.key_sizes):
             out, how = ticket.keys, "ahead"
         else:
-            if marked is not None:
-                p.wait_event(marked)
-            else:
-                p.wait_stream(main)
+            self._after_keys(marked)
             if not staged:
                 self._fit(max(layout.key_sizes) * c, key.dtype)
             with torch.cuda.stream(p):
@@ -280,7 +277,7 @@ class PeerKeys:
 
 def _same_host(group, device: torch.device) -> bool:
     """Whether every rank of ``group`` runs on this host (an all-gather of a hash of its name)."""
-    mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64, device=device)
+    mine = torch.tensor([host_hash()], dtype=torch.int64, device=device)
     every = mine.new_empty((group_size(group),))
     all_gather_single(every, mine, group=group)
     return bool((every == mine).all().item())
@@ -298,10 +295,8 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
     the same call on every rank); then a lookup."""
     if not _wanted(layout, device):
         return None
-    pg = _process_group(group)
-    got = _TRANSPORTS.get(id(pg))
-    if got is not None and got[0] is pg:
-        return got[1]
+    if group in _TRANSPORTS:
+        return _TRANSPORTS.get(group)
     transport = None
     if _same_host(group, device):
         try:
@@ -313,7 +308,7 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
             transport = None
         if not _agree(transport is not None, group, device):
             transport = None
-    _TRANSPORTS[id(pg)] = (pg, transport)  # (the group is kept: its id is not reused meanwhile)
+    _TRANSPORTS.set(group, transport)
     return transport
 
 
@@ -322,11 +317,7 @@ def transport_of(group, device: torch.device) -> Optional[PeerKeys]:
     else ``None``. The same on every rank of the group."""
     if PEER_COPY != "1" or device.type != "cuda" or not _TRANSPORTS:
         return None
-    pg = _process_group(group)
-    got = _TRANSPORTS.get(id(pg))
-    if got is None or got[0] is not pg:
-        return None
-    return got[1]
+    return _TRANSPORTS.get(group)
 
 
 def mark(group, device: torch.device) -> Optional[torch.cuda.Event]:

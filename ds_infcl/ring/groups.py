@@ -10,11 +10,11 @@ at ``sys.modules``, so it costs nothing when DeepSpeed is not in use.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["default_group", "resolve_group", "group_size", "group_rank", "global_rank"]
+__all__ = ["default_group", "resolve_group", "group_size", "group_rank", "global_rank", "process_group", "PerGroup"]
 
 
 def _initialized() -> bool:
@@ -62,3 +62,38 @@ def global_rank(group: Optional["dist.ProcessGroup"], rank_in_group: int) -> int
     if group is None or group is dist.group.WORLD:
         return rank_in_group
     return dist.get_global_rank(group, rank_in_group)
+
+
+def process_group(group: Optional["dist.ProcessGroup"]) -> "dist.ProcessGroup":
+    """The process-group object ``group`` names (``None``: torch's current default group, so that a
+    default group destroyed and made again is another object)."""
+    return group if group is not None else dist.group.WORLD
+
+
+_MISSING = object()
+
+
+class PerGroup:
+    """A value kept per process-group object (``process_group``). The group is kept with it, so
+    that its ``id`` is not reused by another group meanwhile."""
+
+    def __init__(self):
+        self._values: dict = {}  # id(process group) -> (process group, value)
+
+    def get(self, group, default: Any = None) -> Any:
+        pg = process_group(group)
+        got = self._values.get(id(pg))
+        return got[1] if got is not None and got[0] is pg else default
+
+    def __contains__(self, group) -> bool:
+        return self.get(group, _MISSING) is not _MISSING
+
+    def set(self, group, value: Any) -> None:
+        pg = process_group(group)
+        self._values[id(pg)] = (pg, value)
+
+    def values(self) -> list:
+        return [value for _, value in self._values.values()]
+
+    def __bool__(self) -> bool:
+        return bool(self._values)

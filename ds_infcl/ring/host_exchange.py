@@ -42,14 +42,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_infcl.ring.groups import group_rank, group_size
+from ds_infcl.ring.groups import PerGroup, group_rank, group_size
 
-__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "state_for"]
+__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "host_hash", "state_for"]
 
 SLOTS = 3
 _DIR = "/dev/shm"
 _SPIN_S = 2e-4  # poll without yielding for this long, then yield the GIL between polls
-_CHANNELS: dict = {}  # id(process group) -> (process group, GroupState)
+_STATES = PerGroup()  # process group -> GroupState
 
 
 def _setting() -> str:
@@ -143,7 +143,8 @@ class HostChannel:
         self._map.close()
 
 
-def _host_hash() -> int:
+def host_hash() -> int:
+    """A hash of this host's name (ranks that share it run on one host)."""
     return zlib.crc32(socket.gethostname().encode())
 
 
@@ -190,9 +191,9 @@ class GroupState:
                     atexit.register(_unlink, _path(self.token))
                 except OSError:
                     want, self.token = False, 0
-            return [_host_hash(), (self.token or 1) if want else 0]
+            return [host_hash(), (self.token or 1) if want else 0]
         if self.step == 1:
-            return [_host_hash(), int(self.channel is not None)]
+            return [host_hash(), int(self.channel is not None)]
         return [0, 0]
 
     def update(self, words: Sequence[int], hosts: Sequence[int]) -> None:
@@ -228,10 +229,8 @@ def _wanted(group, dev: torch.device) -> bool:
 
 def state_for(group, width: int) -> GroupState:
     """The group's state (made at its first exchange; a lookup, no collective)."""
-    pg = group if group is not None else dist.group.WORLD
-    got = _CHANNELS.get(id(pg))
-    if got is not None and got[0] is pg:
-        return got[1]
-    state = GroupState(group, group_rank(group), group_size(group), width)
-    _CHANNELS[id(pg)] = (pg, state)  # (the group is kept: its id is not reused meanwhile)
+    state = _STATES.get(group)
+    if state is None:
+        state = GroupState(group, group_rank(group), group_size(group), width)
+        _STATES.set(group, state)
     return state

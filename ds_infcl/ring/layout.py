@@ -7,7 +7,7 @@ runs the same check on the same gathered table and raises the same ``ValueError`
 
 Why every call and not once per shape: with unequal per-rank sizes, a rank whose own shape did not
 change cannot know that another rank's did, so a cache keyed on the local shape would send it into
-a P2P exchange while its neighbour waits in the size exchange (a hang). The exchange is 8 integers
+a P2P exchange while its neighbour waits in the size exchange (a hang). The exchange is 12 integers
 per rank, one latency per step; the checks themselves are host-side comparisons. Where every rank
 of the group runs on one host (NCCL groups by default), the rows go through the host's shared
 memory instead, with no collective and no CUDA call (``ds_infcl.ring.host_exchange``: at 16k rows

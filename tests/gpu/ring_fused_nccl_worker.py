@@ -163,7 +163,7 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
             for seed in range(3):  # the shapes' graphs captured and replayed once
                 loss_of(*inputs(seed, grown)).backward()
         if skew and rank == 0 and mode[1] == "1":
-            next(t for _, t in peer_copy._TRANSPORTS.values() if t is not None).epoch += 1
+            next(t for t in peer_copy._TRANSPORTS.values() if t is not None).epoch += 1
         for second_grown in (False, True):
             (q1, k1), (q2, k2) = inputs(10, False), inputs(11, second_grown)
             loss1, loss2 = loss_of(q1, k1), loss_of(q2, k2)
@@ -236,7 +236,7 @@ def main():
     from ds_infcl.loss import peer_copy
 
     def counts():
-        got = [t.counts for _, t in peer_copy._TRANSPORTS.values() if t is not None]
+        got = [t.counts for t in peer_copy._TRANSPORTS.values() if t is not None]
         return dict(got[0]) if got else {"ahead": 0, "staged": 0, "barrier": 0}
 
     for early, equal, skew in ((False, False, False), (True, False, False), (True, True, False),
