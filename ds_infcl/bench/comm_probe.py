@@ -131,9 +131,13 @@ def main(argv=None) -> int:
         print("| transfer | ms (median) |\n| --- | --- |")
         for name, ms in rows:
             print(f"| {name} | {ms:.3f} |")
-    dist.destroy_process_group()
+    from ds_infcl.train.dist import shutdown
+
+    shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)

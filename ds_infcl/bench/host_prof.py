@@ -285,8 +285,13 @@ def main(argv=None) -> None:
             print(f"| {alg} | {b} | {aten:.0f} | {top:.0f} | {glue:.0f} | {launches:.0f} "
                   f"| {host:.2f} | {wall:.2f} |")
     if distributed:
-        dist.destroy_process_group()
+        from ds_infcl.train.dist import shutdown
+
+        shutdown()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)

@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Dict, List, Optional
 
@@ -193,8 +192,9 @@ def run(args: argparse.Namespace) -> Dict:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        from ds_infcl.train.dist import shutdown
+
+        shutdown()
     return summary
 
 
@@ -216,4 +216,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)

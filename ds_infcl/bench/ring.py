@@ -473,9 +473,13 @@ def main(argv=None) -> int:
         print(f"\n{world} x {device_name}, c = {args.dim}, {args.dtype}, symmetric, "
               f"ring backend {backend}, torch {torch.__version__}")
         print(format_table(rows))
-    dist.destroy_process_group()
+    from ds_infcl.train.dist import shutdown
+
+    shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)

@@ -73,6 +73,8 @@ def _worker(rank, world, port, out_dir, points, c, tile):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from ds_infcl.train.dist import exit_process, shutdown
+
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
@@ -83,8 +85,14 @@ def _worker(rank, world, port, out_dir, points, c, tile):
             dist.barrier()
             rows.append(_point(impl, b, c, tile, rank))
         torch.save(rows, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # the parent reports this rank's traceback
+    # Leave without interpreter finalization: the gather baselines' autograd collectives can leave
+    # work objects to gloo's threads, and a rank then aborted at exit ("terminate called without an
+    # active exception") after its rows were written, failing a whole run now and then.
+    shutdown()
+    exit_process(0)
 
 
 def measure(world: int, batch: Sequence[int], impls: Sequence[str] = IMPLS, c: int = 128,

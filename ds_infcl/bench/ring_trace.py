@@ -209,9 +209,13 @@ def main(argv=None) -> int:
         f.write("\n".join(lines + summary) + "\n")
     if summary:
         print("\n".join(summary), flush=True)
-    dist.destroy_process_group()
+    from ds_infcl.train.dist import shutdown
+
+    shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)

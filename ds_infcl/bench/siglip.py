@@ -275,11 +275,13 @@ def main(argv=None) -> int:
             if not args.no_png:
                 _plot(rows, os.path.join(args.out, f"siglip_{tag}.png"))
     if args.dist:
-        import torch.distributed as dist
+        from ds_infcl.train.dist import shutdown
 
-        dist.destroy_process_group()
+        shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(main())  # no interpreter finalization after the group is gone (exit_process says why)
