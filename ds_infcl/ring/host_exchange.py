@@ -44,12 +44,13 @@ import torch.distributed as dist
 
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size
 
-__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "host_hash", "state_for"]
+__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "host_hash", "release_names", "state_for"]
 
 SLOTS = 3
 _DIR = "/dev/shm"
 _SPIN_S = 2e-4  # poll without yielding for this long, then yield the GIL between polls
 _STATES = PerGroup()  # process group -> GroupState
+_NAMES: set = set()  # files this process created whose names are not removed yet
 
 
 def _setting() -> str:
@@ -153,10 +154,22 @@ def _path(token: int) -> str:
 
 
 def _unlink(path: str) -> None:
+    _NAMES.discard(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def release_names() -> None:
+    """Remove the names of the files this process created and still names (a group that made one
+    exchange only). Runs at exit; ``ds_infcl.train.dist.exit_process``, which skips the exit
+    handlers, calls it too."""
+    for path in list(_NAMES):
+        _unlink(path)
+
+
+atexit.register(release_names)
 
 
 class GroupState:
@@ -187,8 +200,7 @@ class GroupState:
                 self.token = secrets.randbits(62) | 2
                 try:
                     self.channel = HostChannel(_path(self.token), self.world, 0, self.width, create=True)
-                    # (a process that exits before the second exchange removes it too)
-                    atexit.register(_unlink, _path(self.token))
+                    _NAMES.add(_path(self.token))  # removed at exit if no second exchange comes
                 except OSError:
                     want, self.token = False, 0
             return [host_hash(), (self.token or 1) if want else 0]

@@ -121,8 +121,10 @@ def exit_process(code: int) -> None:
     """Leave the process now with ``code``, after flushing logging and stdio, without interpreter
     finalization.
 
-    For process entry points only (``python -m ds_infcl.train``, ``ds-infcl-train``), after
-    :func:`shutdown`. On 2-rank CPU runs a rank has still aborted now and then at interpreter exit
+    For process entry points only (``python -m ds_infcl.train``, ``ds-infcl-train``, the
+    distributed benchmarks, spawned workers), after :func:`shutdown`. The one exit handler of ours
+    that matters is run first: a layout file in ``/dev/shm`` whose name is still there
+    (``ds_infcl.ring.host_exchange.release_names``). On 2-rank CPU runs a rank has still aborted now and then at interpreter exit
     ("terminate called without an active exception", exit code -6, after its last checkpoint was
     written), so a finished run reported failure: gloo's worker threads can still own
     communication work objects (ZeRO-3 keeps async handles in its parameters) when Python's
@@ -130,6 +132,9 @@ def exit_process(code: int) -> None:
     """
     import logging
 
+    layout_files = sys.modules.get("ds_infcl.ring.host_exchange")
+    if layout_files is not None:  # its exit handler does not run after os._exit
+        layout_files.release_names()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

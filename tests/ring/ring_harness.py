@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -48,10 +47,11 @@ def _entry(rank, world, port, out_dir, fn, payload, pg_timeout):
     # (autograd collectives such as OpenCLIP's keep some alive) when Python tears them down, and
     # the worker then aborts ("terminate called without an active exception") after its result is
     # written, which failed a whole test now and then. The trainer's entry points do the same
-    # (ds_infcl.train.dist.exit_process).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # (ds_infcl.train.dist.exit_process, which also removes a layout file's name left by a group
+    # that made one exchange only).
+    from ds_infcl.train.dist import exit_process
+
+    exit_process(0)
 
 
 def spawn(fn: Callable, world: int, payload=None, timeout: float = 120.0, pg_timeout: float = 60.0) -> List:

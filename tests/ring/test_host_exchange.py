@@ -101,6 +101,25 @@ def test_a_rank_that_never_arrives_is_an_error_naming_it():
     assert 1.0 <= waited < 2.5, waited
 
 
+def _one_exchange(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = "1"
+    exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)  # the first of the two setup calls
+    token = host_exchange._STATES.values()[0].token
+    return host_exchange._path(token) if token else None
+
+
+def test_a_group_with_one_exchange_leaves_no_file_name():
+    """Rank 0 removes the file's name after the second exchange; a process that leaves after the
+    first (here through ``exit_process``, which skips the exit handlers, as the trainer and the
+    benchmarks leave) removes it on the way out."""
+    path, _ = spawn(_one_exchange, 2, None, timeout=90)
+    assert path is not None and os.path.basename(path).startswith("ds_infcl_layout_")
+    assert not os.path.exists(path), path
+
+
 def _loss(rank, world, payload):
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.ring import host_exchange
