@@ -47,11 +47,15 @@ try:  # Gluon is experimental: absent from older Triton releases
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    AVAILABLE = False
+    AVAILABLE, UNAVAILABLE_WHY = True, ""
+except Exception as err:  # pragma: no cover - depends on the installed Triton
+    # An ImportError where Triton has no Gluon; other errors where its experimental API differs
+    # (or, in one process, Triton's language was first imported under TRITON_INTERPRET=1 and
+    # Gluon after it was unset): the Triton kernels run instead, and DS_INFCL_GLUON=1 says why.
+    AVAILABLE, UNAVAILABLE_WHY = False, f"{type(err).__name__}: {err}"
 
-__all__ = ["AVAILABLE", "FLAG_BITS", "REGS", "g_flags", "gluon_config", "launch_g_hopper", "make_desc"]
+__all__ = ["AVAILABLE", "FLAG_BITS", "REGS", "UNAVAILABLE_WHY", "g_flags", "gluon_config", "launch_g_hopper",
+           "make_desc"]
 
 # The epilogue's constexpr switches, carried into the warp-specialized partitions as the length of
 # a small shared-memory buffer (a partition's arguments reach it as IR values, its buffers'

@@ -418,6 +418,38 @@ def test_gluon_forward_build_failure_falls_back_to_triton_once(monkeypatch):
         assert rel_err(got, want) <= error_bound(torch.float16, rel_err(p, want))
 
 
+_BROKEN_GLUON = """
+import importlib.abc, os, sys
+import torch
+
+class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.startswith("triton.experimental.gluon"):
+            raise AttributeError("a Gluon API this code does not know")
+
+sys.meta_path.insert(0, Broken())
+from ds_infcl.ops import gluon_lse_kernels, triton_lse
+print("available", gluon_lse_kernels.AVAILABLE)
+os.environ["DS_INFCL_GLUON"] = "1"
+q = torch.randn(4, 8)
+try:
+    triton_lse._use_gluon(q, q)
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def test_a_gluon_that_fails_to_import_leaves_the_triton_kernels():
+    """Gluon is experimental: an import that fails other than with ImportError (a Triton whose
+    Gluon API differs) leaves the Triton kernels usable, and DS_INFCL_GLUON=1 names the failure.
+    (It raised out of ``import triton_lse``, so backend="triton" was lost with it.)"""
+    r = subprocess.run([sys.executable, "-c", _BROKEN_GLUON], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "available False" in r.stdout, r.stdout
+    assert "DS_INFCL_GLUON=1, but the Gluon backward cannot run" in r.stdout, r.stdout
+    assert "AttributeError: a Gluon API this code does not know" in r.stdout, r.stdout
+
+
 def test_bad_kernel_switches_stop_the_import():
     """The kernels' on/off switches take '1' or '0'; another value is an error naming the variable,
     not a silent 'off'."""
