@@ -36,14 +36,18 @@ def _check(run, *more):
 
 
 @pytest.fixture
-def no_cxx(monkeypatch):
-    """Inductor's C++ compiler search finds nothing (as on a machine without g++/clang++)."""
+def no_cxx():
+    """Inductor's C++ compiler search finds nothing (as on a machine without g++/clang++).
+
+    Through the config's own ``patch``: monkeypatch's undo of a torch config entry deletes it,
+    and every later ``torch.compile`` on CPU in the process then failed ("config.cpp.cxx does not
+    exist"; seen with the suite in reverse order)."""
     from torch._inductor import config
     from torch._inductor.cpp_builder import cpp_compiler_search
 
-    monkeypatch.setattr(config.cpp, "cxx", ("/nonexistent/g++",))
-    cpp_compiler_search.cache_clear()
-    yield
+    with config.patch({"cpp.cxx": ("/nonexistent/g++",)}):
+        cpp_compiler_search.cache_clear()
+        yield
     cpp_compiler_search.cache_clear()
 
 
