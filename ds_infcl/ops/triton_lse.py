@@ -302,7 +302,7 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward")
         why = f"it could not be built earlier in this process ({_GLUON_FAILED[kernel]})"
     elif not gluon_lse_kernels.AVAILABLE:
         why = (f"this Triton ({triton.__version__}) has no usable Gluon Hopper API "
-               f"({gluon_lse_kernels.UNAVAILABLE_WHY or 'import failed'})")
+               f"({gluon_lse_kernels.UNAVAILABLE_WHY})")
     elif query.device.type != "cuda" or _interpreting():
         why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
     elif torch.cuda.get_device_capability(query.device)[0] != 9:

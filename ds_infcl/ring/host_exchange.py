@@ -72,7 +72,7 @@ def _timeout() -> float:
 
 
 # Read at import: a bad value stops the process before any collective. Ranks may differ (the
-# decision comes from gathered values, see ``setup``).
+# decision comes from gathered values, see ``GroupState``).
 MODE = _setting()
 TIMEOUT_S = _timeout()
 
@@ -114,7 +114,6 @@ class HostChannel:
         table[self.rank] = [int(v) for v in fields]
         pending = [r for r in range(self.world) if r != self.rank]
         start = time.monotonic()
-        deadline = None
         while pending:
             waiting = []
             for r in pending:
@@ -126,17 +125,15 @@ class HostChannel:
             pending = waiting
             if not pending:
                 break
-            now = time.monotonic()
-            if now - start > _SPIN_S:
-                if deadline is None:
-                    deadline = start + TIMEOUT_S
-                if now > deadline:
-                    raise RuntimeError(
-                        f"layout exchange over host shared memory: rank(s) {pending} of the group did not "
-                        f"reach this loss call (the channel's exchange {seq}) within "
-                        f"DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s (a rank stopped, or calls the loss fewer "
-                        "times than the others)")
-                time.sleep(0 if now - start < 0.01 else 1e-4)
+            waited = time.monotonic() - start
+            if waited > TIMEOUT_S:
+                raise RuntimeError(
+                    f"layout exchange over host shared memory: rank(s) {pending} of the group did not "
+                    f"reach this loss call (the channel's exchange {seq}) within "
+                    f"DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s (a rank stopped, or calls the loss fewer "
+                    "times than the others)")
+            if waited > _SPIN_S:
+                time.sleep(0 if waited < 0.01 else 1e-4)
         return table
 
     def close(self) -> None:

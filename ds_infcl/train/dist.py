@@ -124,11 +124,12 @@ def exit_process(code: int) -> None:
     For process entry points only (``python -m ds_infcl.train``, ``ds-infcl-train``, the
     distributed benchmarks, spawned workers), after :func:`shutdown`. The one exit handler of ours
     that matters is run first: a layout file in ``/dev/shm`` whose name is still there
-    (``ds_infcl.ring.host_exchange.release_names``). On 2-rank CPU runs a rank has still aborted now and then at interpreter exit
-    ("terminate called without an active exception", exit code -6, after its last checkpoint was
-    written), so a finished run reported failure: gloo's worker threads can still own
-    communication work objects (ZeRO-3 keeps async handles in its parameters) when Python's
-    finalization destroys them. Everything a run writes is closed before this point.
+    (``ds_infcl.ring.host_exchange.release_names``). On 2-rank CPU runs a rank has still aborted
+    now and then at interpreter exit ("terminate called without an active exception", exit code
+    -6, after its last checkpoint was written), so a finished run reported failure: gloo's worker
+    threads can still own communication work objects (ZeRO-3 keeps async handles in its
+    parameters) when Python's finalization destroys them. Everything a run writes is closed before
+    this point.
     """
     import logging
 
