@@ -22,14 +22,19 @@ An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "bl
 ``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
 (``infcl+compile+auto``); ``--set KEY=VALUE`` overrides any run-config key of every case.
 ``openclip_step`` is OpenCLIP's own training step (``ds_infcl.bench.openclip_step``: ``amp_bf16``,
-AdamW fused, eager, DDP and ``ClipLoss`` with ``local_loss`` + ``gather_with_grad``) at its
-largest batch per GPU: one process per size of ``--openclip-batches`` until one runs out of
-memory, plus its ``accum_freq`` path with ``--openclip-accum-freq``; its rows stand beside ours
-in the same table (samples/s per GPU and MFU counted the same way: 3 x the towers' forward FLOPs
-of one pair, against the GPU's dense bf16 peak).
+TF32 allowed, AdamW fused, DDP and ``ClipLoss`` with ``local_loss`` + ``gather_with_grad``) in each
+of ``--openclip-modes``: ``eager``, ``compile`` (its ``--torchcompile``), each optionally ``+gc``
+(its ``--grad-checkpointing``). Per mode: the plain step at each size of ``--openclip-batches``
+until one runs out of memory, then its ``accum_freq`` path at each per-GPU batch of
+``--openclip-accum-batches`` in micro-batches of ``--openclip-accum-micro``. Its rows stand beside
+ours in the same table (samples/s per GPU and MFU counted the same way: 3 x the towers' forward
+FLOPs of one pair, against the GPU's dense bf16 peak), and a second table sets each of our
+throughput rows beside the fastest OpenCLIP configuration that ran at the same global batch,
+naming it.
 
-    python -m ds_infcl.bench.engine --num-gpus 1 --no-search --chunk-size 512 \
-        --impls infcl infcl+compile infcl+compile+auto openclip_step --out runs/towers
+    python -m ds_infcl.bench.engine --num-gpus 1 --no-search --chunk-size 512 --throughput-batch 2048 \
+        --impls infcl+compile openclip_step --openclip-modes eager compile \
+        --openclip-accum-batches 2048 --openclip-accum-micro 512 --out runs/towers
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import time
 from typing import Dict, List, Optional
 
 from ds_infcl.bench.openclip_step import ARCHS as OPENCLIP_ARCHS
-from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE
+from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE, mode_name
 from ds_infcl.train.config import apply_overrides
 from ds_infcl.train.dist import free_port
 
@@ -193,15 +198,20 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     return row
 
 
-def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int) -> Dict:
-    """One ``ds_infcl.bench.openclip_step`` process (``torchrun`` on several GPUs): a row of the
-    table; status ``no open_clip`` when it cannot be imported."""
-    tag = f"openclip_step_{batch_per_gpu}" + (f"_accum{accum_freq}" if accum_freq > 1 else "")
+OPENCLIP_MODES = ("eager", "compile", "eager+gc", "compile+gc")
+
+
+def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "eager") -> Dict:
+    """One ``ds_infcl.bench.openclip_step`` process (``torchrun`` on several GPUs) in ``mode`` (one of
+    ``OPENCLIP_MODES``): a row of the table; status ``no open_clip`` when it cannot be imported."""
+    compiled, gc = mode.startswith("compile"), mode.endswith("+gc")
+    tag = (f"openclip_step_{mode.replace('+', '_')}_{batch_per_gpu}" + (f"_accum{accum_freq}" if accum_freq > 1 else ""))
     out = os.path.join(args.out, tag)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     module_args = ["-m", "ds_infcl.bench.openclip_step", "--arch", args.arch, "--batch-per-gpu", str(batch_per_gpu),
                    "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--out", out]
+    module_args += (["--compile"] if compiled else []) + (["--grad-checkpointing"] if gc else [])
     if args.num_gpus > 1:
         torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
         cmd = [torchrun, "--nproc_per_node", str(args.num_gpus), "--master_port", str(free_port())] + module_args
@@ -211,7 +221,7 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int) -> Dict:
     status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"})
     if status in ("failed", "no open_clip"):
         print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
-    row = {"impl": "openclip_step" + (f" accum_freq {accum_freq}" if accum_freq > 1 else ""), "phase": "openclip",
+    row = {"impl": mode_name(compiled, accum_freq, gc), "phase": "openclip",
            "global_batch": batch_per_gpu * args.num_gpus, "gpus": args.num_gpus,
            "chunk": batch_per_gpu // accum_freq if accum_freq > 1 else "", "steps": args.openclip_steps,
            "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
@@ -231,20 +241,45 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int) -> Dict:
 
 
 def _openclip_rows(args) -> List[Dict]:
-    """OpenCLIP's step at each of ``--openclip-batches`` (ascending) until one does not run; then
-    its ``accum_freq`` path once, if asked."""
+    """For each of ``--openclip-modes``: OpenCLIP's plain step at each of ``--openclip-batches``
+    (ascending) until one does not run, then its ``accum_freq`` path at each of
+    ``--openclip-accum-batches``."""
     rows: List[Dict] = []
     if args.arch not in OPENCLIP_ARCHS:
         print(f"[bench] openclip_step: no OpenCLIP model for --arch {args.arch} (only {sorted(OPENCLIP_ARCHS)}); skipped",
               flush=True)
         return rows
-    for b in sorted(args.openclip_batches):
-        rows.append(_run_openclip_case(args, b, 1))
-        if rows[-1]["status"] != "ok":
-            break
-    if args.openclip_accum_freq > 1 and (not rows or rows[-1]["status"] != "no open_clip"):
-        rows.append(_run_openclip_case(args, args.openclip_accum_micro * args.openclip_accum_freq, args.openclip_accum_freq))
+    for mode in args.openclip_modes:
+        for b in sorted(args.openclip_batches):
+            rows.append(_run_openclip_case(args, b, 1, mode))
+            if rows[-1]["status"] != "ok":
+                break
+        if rows and rows[-1]["status"] == "no open_clip":
+            return rows
+        for b in sorted(args.openclip_accum_batches):
+            rows.append(_run_openclip_case(args, b, b // args.openclip_accum_micro, mode))
     return rows
+
+
+def best_openclip_lines(rows: List[Dict]) -> List[str]:
+    """Markdown rows: each of our throughput rows beside the fastest OpenCLIP configuration that
+    ran at the same global batch on the same GPUs (named), and their ratio; ``none ran`` where no
+    OpenCLIP configuration reached that batch."""
+    lines = ["| ours | global batch | samples/s per GPU | OpenCLIP's fastest at that batch | samples/s per GPU | ours / OpenCLIP |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["phase"] != "throughput" or r["status"] != "ok":
+            continue
+        peers = [o for o in rows if o["phase"] == "openclip" and o["status"] == "ok"
+                 and o["global_batch"] == r["global_batch"] and o["gpus"] == r["gpus"]]
+        if not peers:
+            lines.append(f"| {r['impl']} | {r['global_batch']} | {r['samples_per_s_per_gpu']} | none ran | | |")
+            continue
+        best = max(peers, key=lambda o: o["samples_per_s_per_gpu"])
+        ratio = r["samples_per_s_per_gpu"] / best["samples_per_s_per_gpu"]
+        lines.append(f"| {r['impl']} | {r['global_batch']} | {r['samples_per_s_per_gpu']} | {best['impl']} | "
+                     f"{best['samples_per_s_per_gpu']} | {ratio:.2f}x |")
+    return lines
 
 
 def _gpu_info() -> Dict[str, object]:
@@ -296,6 +331,8 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") not in (None, "") else ""
             lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r['status']} | "
                          f"{r['samples_per_s_per_gpu']} | {mfu} | {r['step_time_s']} | {r['peak_mem_gib']} |")
+    if any(r["phase"] == "openclip" for r in rows):
+        lines += ["", "Ours beside OpenCLIP's fastest configuration at the same global batch:", ""] + best_openclip_lines(rows)
     if largest:
         lines += ["", "| impl | largest global batch that ran (one step) | memory-limited estimate |", "| --- | --- | --- |"]
         lines += [f"| {k} | {v} | {_linear_limit(rows, k, gpu['mem_gib']) if k.startswith('infcl') else ''} |"
@@ -334,14 +371,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="run-config overrides for every case of ours (repeatable), e.g. model.compile_mode=max-autotune-no-cudagraphs")
     p.add_argument("--openclip-batches", type=int, nargs="+", default=[256, 512, 768, 1024],
                    help="openclip_step: batches per GPU tried in ascending order until one fails (out of memory)")
+    p.add_argument("--openclip-modes", nargs="+", default=["eager", "compile"], choices=OPENCLIP_MODES,
+                   help="openclip_step: eager and/or compiled (open_clip_train's --torchcompile), +gc for its "
+                   "--grad-checkpointing")
+    p.add_argument("--openclip-accum-batches", type=int, nargs="*", default=[],
+                   help="openclip_step: per-GPU batches run through OpenCLIP's accum_freq path (in micro-batches of "
+                   "--openclip-accum-micro)")
     p.add_argument("--openclip-accum-freq", type=int, default=1,
-                   help="openclip_step: also run OpenCLIP's accum_freq path with this many micro-batches (> 1)")
-    p.add_argument("--openclip-accum-micro", type=int, default=256, help="openclip_step: micro-batch of the accum_freq run")
+                   help="openclip_step: also run the accum_freq path at --openclip-accum-micro x this (kept for old "
+                   "command lines; --openclip-accum-batches is the general form)")
+    p.add_argument("--openclip-accum-micro", type=int, default=256, help="openclip_step: micro-batch of the accum_freq runs")
     p.add_argument("--openclip-steps", type=int, default=5, help="openclip_step: timed steps (after 2 warm-up steps)")
     p.add_argument("--label", default=None, help="title of the results table (default: the DeepSpeed config's name)")
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
     ours = [i for i in args.impls if i != "openclip_step"]
+    if args.openclip_accum_freq > 1:
+        args.openclip_accum_batches = sorted(set(args.openclip_accum_batches) | {args.openclip_accum_micro * args.openclip_accum_freq})
+    for b in args.openclip_accum_batches:
+        if b <= args.openclip_accum_micro or b % args.openclip_accum_micro:
+            p.error(f"--openclip-accum-batches {b}: must be a multiple (> 1) of --openclip-accum-micro {args.openclip_accum_micro}")
     for impl in ours:
         try:
             parse_impl(impl)

@@ -2,7 +2,9 @@
 
 What ``open_clip_train`` does per step with ``--precision amp_bf16``, on random-init towers and
 generated inputs (no download, no data loader): ``open_clip.create_model(name)`` in float32 under
-``torch.autocast(bfloat16)``, eager, DDP on more than one GPU, ``ClipLoss`` (``local_loss`` and
+``torch.autocast(bfloat16)``, TF32 matmuls allowed and cuDNN's benchmark mode on (its ``main``
+sets both), eager or (``--compile``, its ``--torchcompile``) ``torch.compile`` of the model after
+its DDP wrapping, optionally with its ``--grad-checkpointing``, DDP on more than one GPU, ``ClipLoss`` (``local_loss`` and
 ``gather_with_grad`` on more than one GPU), AdamW as OpenCLIP builds it (no weight decay on gains,
 biases and the logit scale; ``fused=True``), the logit scale clamped to ``[0, log 100]`` after the
 step, and optionally its ``accum_freq`` path (features of all micro-batches first without
@@ -11,6 +13,7 @@ process (one ``torchrun`` group) runs one batch size; ``bench.engine`` searches 
 fits by launching one per size.
 
     python -m ds_infcl.bench.openclip_step --arch vit-b-16 --batch-per-gpu 512 --out runs/oc
+    python -m ds_infcl.bench.openclip_step --arch vit-b-16 --batch-per-gpu 2048 --accum-freq 4 --compile --out runs/oc
     torchrun --nproc_per_node 2 -m ds_infcl.bench.openclip_step --arch vit-b-16 --batch-per-gpu 512 --out runs/oc
 
 Reported (``<out>/summary.json`` and the last printed line): samples/s per GPU over the timed
@@ -30,7 +33,7 @@ import os
 import time
 from typing import Dict, List, Optional
 
-__all__ = ["ARCHS", "open_clip_model_name", "import_open_clip", "parse_args", "main", "MISSING_EXIT_CODE"]
+__all__ = ["ARCHS", "open_clip_model_name", "import_open_clip", "parse_args", "main", "MISSING_EXIT_CODE", "mode_name"]
 
 ARCHS = {"vit-b-16": "ViT-B-16", "vit-l-14": "ViT-L-14"}
 MISSING_EXIT_CODE = 3
@@ -61,7 +64,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-per-gpu", type=int, required=True, help="samples per GPU per optimizer step")
     p.add_argument("--accum-freq", type=int, default=1,
                    help="OpenCLIP's accum_freq: the batch is this many micro-batches (batch-per-gpu / accum-freq each)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the (DDP-wrapped) model, as open_clip_train's --torchcompile does")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="the towers' activation checkpointing, as open_clip_train's --grad-checkpointing")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (a compiled step compiles in the first)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--out", required=True, help="folder for summary.json")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (OpenCLIP's default)")
@@ -75,6 +82,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.batch_per_gpu % args.accum_freq:
         p.error(f"--batch-per-gpu {args.batch_per_gpu} does not divide into --accum-freq {args.accum_freq} micro-batches")
     return args
+
+
+def mode_name(compiled: bool, accum_freq: int, grad_checkpointing: bool = False) -> str:
+    """The row name of one OpenCLIP configuration: ``openclip_step [compiled] [accum_freq N]
+    [grad checkpointing]``, the words its command-line flags would need."""
+    words = ["openclip_step"] + (["compiled"] if compiled else []) + (
+        [f"accum_freq {accum_freq}"] if accum_freq > 1 else []) + (["grad checkpointing"] if grad_checkpointing else [])
+    return " ".join(words)
 
 
 def _param_groups(model, weight_decay: float) -> List[Dict]:
@@ -119,6 +134,8 @@ def run(args: argparse.Namespace) -> Dict:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # open_clip_train's main sets both
+        torch.backends.cudnn.benchmark = True
     if world > 1:
         dist.init_process_group("nccl", device_id=device)
     torch.manual_seed(0)
@@ -131,8 +148,14 @@ def run(args: argparse.Namespace) -> Dict:
     texts = torch.randint(0, model.vocab_size, (B, model.context_length), device=device)
     flops = _flops_per_sample(model, images, texts)
     raw = model
+    if args.grad_checkpointing:
+        raw.set_grad_checkpointing(True)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    if args.compile:
+        if args.grad_checkpointing and world > 1:
+            torch._dynamo.config.optimize_ddp = False  # what open_clip_train does for this pair
+        model = torch.compile(model)
     loss_fn = open_clip.loss.ClipLoss(local_loss=world > 1, gather_with_grad=world > 1, cache_labels=True,
                                       rank=rank, world_size=world)
     optimizer = torch.optim.AdamW(_param_groups(raw, 0.2), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
@@ -183,7 +206,8 @@ def run(args: argparse.Namespace) -> Dict:
     peak = peak_tflops(device)
     tflops = flops * sps / 1e12
     summary = {
-        "impl": "openclip_step", "arch": args.arch, "model": open_clip_model_name(args.arch), "gpus": world,
+        "impl": mode_name(args.compile, args.accum_freq, args.grad_checkpointing), "arch": args.arch,
+        "compiled": args.compile, "grad_checkpointing": args.grad_checkpointing, "model": open_clip_model_name(args.arch), "gpus": world,
         "batch_per_gpu": B, "global_batch": B * world, "accum_freq": args.accum_freq, "steps": args.steps,
         "samples_per_s_per_gpu": sps, "step_time_s": seconds / args.steps, "model_flops_per_sample": flops,
         "model_tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,

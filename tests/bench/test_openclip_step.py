@@ -27,6 +27,10 @@ class _StubClip(nn.Module):
         self.text_proj = nn.Linear(8, 8)
         self.logit_scale = nn.Parameter(torch.tensor(2.659))
         self.vocab_size, self.context_length = 10, 5
+        self.grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
 
     def encode_image(self, image):
         return nn.functional.normalize(self.visual(image.flatten(1)), dim=-1)
@@ -90,7 +94,7 @@ def test_engine_row_says_open_clip_is_missing(tmp_path):
     args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, case_timeout=120, out=str(tmp_path))
     row = engine._run_openclip_case(args, 8, 1)
     assert row["status"] == "no open_clip" and row["impl"] == "openclip_step" and row["samples_per_s_per_gpu"] == ""
-    assert "pip install open_clip_torch" in (tmp_path / "openclip_step_8" / "log.txt").read_text()
+    assert "pip install open_clip_torch" in (tmp_path / "openclip_step_eager_8" / "log.txt").read_text()
     skipped = engine._openclip_rows(argparse.Namespace(arch="tiny"))
     assert skipped == []
 
@@ -109,3 +113,41 @@ def test_step_on_a_stand_in_open_clip(stub_open_clip, tmp_path):
     # accum_freq 2 computes the same loss and the same summed gradients: the same training
     assert s["losses"][-1] < s["losses"][0] - 0.05  # it trains (lr 0.01)
     assert summaries[2]["losses"] == pytest.approx(s["losses"], rel=1e-2)
+
+
+def test_compiled_and_checkpointed_modes_on_a_stand_in_open_clip(stub_open_clip, tmp_path, monkeypatch):
+    # --compile wraps the model in torch.compile (as open_clip_train's --torchcompile) and trains the
+    # same as eager; --grad-checkpointing turns on the model's checkpointing; the row names both.
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(model) or model)
+    made = []
+    create = stub_open_clip.create_model
+    stub_open_clip.create_model = lambda *a, **kw: made.append(create(*a, **kw)) or made[-1]
+    runs = {}
+    for flags in ([], ["--compile"], ["--compile", "--grad-checkpointing"]):
+        out = tmp_path / ("_".join(flags) or "eager")
+        assert openclip_step.main(["--device", "cpu", "--batch-per-gpu", "8", "--accum-freq", "2", "--warmup", "0",
+                                   "--steps", "3", "--out", str(out)] + flags) == 0
+        runs[tuple(flags)] = json.loads((out / "summary.json").read_text())
+    assert [r["impl"] for r in runs.values()] == [
+        "openclip_step accum_freq 2", "openclip_step compiled accum_freq 2",
+        "openclip_step compiled accum_freq 2 grad checkpointing"]
+    assert compiled == made[1:]  # the compiled runs compiled their own model, the eager one did not
+    assert [m.grad_checkpointing for m in made] == [False, False, True]
+    assert runs[("--compile",)]["losses"] == pytest.approx(runs[()]["losses"], rel=1e-5)
+
+
+def test_best_openclip_configuration_at_the_same_global_batch():
+    def row(phase, impl, batch, sps, status="ok", gpus=1):
+        return {"phase": phase, "impl": impl, "global_batch": batch, "samples_per_s_per_gpu": sps, "status": status,
+                "gpus": gpus}
+    rows = [row("throughput", "infcl+compile", 2048, 1800.0), row("throughput", "infcl+compile", 16384, 1900.0),
+            row("throughput", "local", 4096, 900.0),
+            row("openclip", "openclip_step accum_freq 4", 2048, 1356.0),
+            row("openclip", "openclip_step compiled accum_freq 4", 2048, 2023.0),
+            row("openclip", "openclip_step compiled accum_freq 32", 16384, 3000.0, status="oom"),
+            row("openclip", "openclip_step compiled accum_freq 32", 16384, 1500.0, gpus=2)]
+    lines = engine.best_openclip_lines(rows)
+    assert lines[2] == "| infcl+compile | 2048 | 1800.0 | openclip_step compiled accum_freq 4 | 2023.0 | 0.89x |"
+    assert lines[3] == "| infcl+compile | 16384 | 1900.0 | none ran | | |"  # the oom row and the 2-GPU row do not count
+    assert lines[4] == "| local | 4096 | 900.0 | none ran | | |"
