@@ -157,11 +157,19 @@ class RetrievalTask:
                         f"task.args.data: {p!r} {what}; give jsonl files (one {{\"query\", \"pos\", \"neg\"}} "
                         "object per line), .tar shards or brace patterns, or \"chatterbot\""
                     )
-            self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
-            if shards:
-                self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
+            try:
+                self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
+                if shards:
+                    self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
+            except OSError as e:  # unreadable (permissions, a read error): a config error, not a traceback
+                raise ConfigError(f"task.args.data: cannot read {e.filename or data!r}: {e.strerror or e}") from None
         if not self.examples:
-            raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
+            skipped = (f"{self.tally.total} malformed records skipped ({self.tally.counts}; first at "
+                       f"{', '.join(self.tally.where[:3])})") if self.tally.total else "the input holds no record"
+            raise ConfigError(
+                f"task.args.data: no training examples in {data!r}: {skipped}; give jsonl files with one "
+                "{\"query\", \"pos\", \"neg\"} object per line (UTF-8), .tar shards, or \"chatterbot\""
+            )
         if num_negatives > 0:
             _check_hard_negatives(self.examples, num_negatives)
         self.beir = None
