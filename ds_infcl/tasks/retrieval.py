@@ -338,7 +338,8 @@ class RetrievalTask:
     @torch.no_grad()
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
         """Held-out NDCG@10, MRR@10, Recall@1/10/100 (when the data has a held-out split)."""
-        metrics: Dict[str, float] = {"malformed_records": float(self.tally.total)}
+        # an integer count (every rank reads all the data: the same number on every rank)
+        metrics: Dict[str, float] = {"malformed_records": int(self.tally.total)}
         if self.beir is not None:  # every rank runs it alike (ZeRO-3 forwards are collective)
             from ds_infcl.adapters.beir_eval import TokenizingEmbedder, evaluate_beir
 
