@@ -133,6 +133,9 @@ class ClipLoss(nn.Module):
 
     def _distributed(self, image: torch.Tensor, text: torch.Tensor, logit_scale) -> torch.Tensor:
         """OpenCLIP's loss on this rank (see the class) from the linear-memory LSE op."""
+        if image.dim() != 2 or image.shape != text.shape:
+            raise ValueError(f"image_features {tuple(image.shape)} and text_features {tuple(text.shape)} must both "
+                             "be [b, c] with the same b and c (one text per image, as in OpenCLIP)")
         group = resolve_group(self.group)
         world = group_size(group)
         scale = logit_scale if torch.is_tensor(logit_scale) else torch.tensor(float(logit_scale))
@@ -160,7 +163,7 @@ class ClipLoss(nn.Module):
             return terms / (2 * max(b, 1))
         # The global loss L on every rank; rank r's graph carries its share of the gradient
         # (dL/dF_r through the ring, W times that with gather_with_grad).
-        total = torch.stack([terms.detach(), torch.tensor(float(b), device=terms.device)])
+        total = torch.stack([terms.detach(), torch.full_like(terms.detach(), float(b))])  # (a fill: no copy)
         dist.all_reduce(total, group=group)
         global_loss = total[0] / (2 * total[1])
         share = terms / (2 * total[1]) * (world if self.gather_with_grad else 1)
