@@ -273,7 +273,7 @@ def _wanted(group, dev: torch.device) -> bool:
     return MODE == "1" or (MODE == "auto" and dev.type == "cuda" and dist.get_backend(group) == "nccl")
 
 
-_REGISTRY_STAMP: list = [None]  # (number of live groups, groups made) at the last sweep
+_REGISTRY_STAMP: list = [None]  # (number of live groups, groups made, default group) at the last sweep
 
 
 def _live_groups():
@@ -299,7 +299,9 @@ def state_for(group, width: int) -> GroupState:
     """The group's state (made at its first exchange; a lookup, no collective). Releases the
     states of destroyed groups first when the set of registered groups has changed."""
     world_state = dist.distributed_c10d._world
-    stamp = (len(world_state.pg_map), world_state.group_count)
+    # (a default group made again after destroy_process_group() is another object: the old one,
+    # kept by _STATES, cannot lend it its id)
+    stamp = (len(world_state.pg_map), world_state.group_count, id(dist.group.WORLD))
     if stamp != _REGISTRY_STAMP[0]:
         if _STATES:
             release_destroyed_groups()

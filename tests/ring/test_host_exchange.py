@@ -225,16 +225,56 @@ def _destroyed(rank, world, payload):
     after_destroy = _mapped_layout_files()  # nothing happens until the next exchange
     for _ in range(3):  # the next exchange (any group) releases the destroyed group's channel
         exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
-    return dict(ready=ready, mapped=mapped, after_destroy=after_destroy, after_next=_mapped_layout_files(),
-                map_closed=channel._map.closed, channel=state.channel, states=len(host_exchange._STATES.values()),
-                world_ready=host_exchange._STATES.get(None).ready, released_again=host_exchange.release_destroyed_groups())
+    out = dict(ready=ready, mapped=mapped, after_destroy=after_destroy, after_next=_mapped_layout_files(),
+               map_closed=channel._map.closed, channel=state.channel, states=len(host_exchange._STATES.values()),
+               world_ready=host_exchange._STATES.get(None).ready, released_again=host_exchange.release_destroyed_groups())
+    # The whole world destroyed, then made again (a new default group): its first exchange releases
+    # the old world's channel; release_destroyed_groups() does it at once.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{payload}/store", rank=rank, world_size=world)
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    out.update(after_reinit=_mapped_layout_files(), states_after_reinit=len(host_exchange._STATES.values()))
+    dist.destroy_process_group()
+    out.update(released_at_end=host_exchange.release_destroyed_groups(), mapped_at_end=_mapped_layout_files())
+    return out
 
 
 def test_a_destroyed_groups_channel_is_unmapped():
     """Channels of destroyed groups used to stay mapped until the process ended; now the next
     exchange releases them (the world group's own channel, made then, stays)."""
-    for rank, res in enumerate(spawn(_destroyed, 2, None, timeout=120)):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as store:
+        results = spawn(_destroyed, 2, store, timeout=120)
+    for rank, res in enumerate(results):
         assert res["ready"] and res["mapped"] == 1 and res["after_destroy"] == 1, (rank, res)
         assert res["map_closed"] and res["channel"] is None, (rank, res)
         assert res["after_next"] == 1 and res["world_ready"] and res["states"] == 1, (rank, res)  # the world's
         assert res["released_again"] == 0, (rank, res)
+        assert res["after_reinit"] == 1 and res["states_after_reinit"] == 1, (rank, res)
+        assert res["released_at_end"] == 1 and res["mapped_at_end"] == 0, (rank, res)
+
+
+def _reinit(rank, world, payload):
+    import torch.distributed as dist
+
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = "1"
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    dist.destroy_process_group()  # no group but the world's: the registry's counts look the same after
+    dist.init_process_group("gloo", init_method=f"file://{payload}/store", rank=rank, world_size=world)
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    return _mapped_layout_files(), len(host_exchange._STATES.values())
+
+
+def test_a_default_group_made_again_releases_the_old_ones_channel():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as store:
+        results = spawn(_reinit, 2, store, timeout=120)
+    assert results == [(1, 1), (1, 1)], results
