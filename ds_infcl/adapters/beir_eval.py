@@ -44,7 +44,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -90,43 +90,56 @@ class BeirData:
     counts: Dict[str, int] = field(default_factory=dict)
 
 
+def _utf8_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """``(line_no, text)`` per line, each line decoded on its own so that a byte that is not UTF-8
+    raises a ValueError naming ``file:line`` (not a buffer offset); a byte-order mark is accepted."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
+
+
 def _read_jsonl(path: str, kind: str, require_title: bool) -> Tuple[List[str], List[str], List[str]]:
     """``(ids, texts, titles)`` of a corpus or queries file; a ValueError names ``file:line``."""
     ids: List[str] = []
     texts: List[str] = []
     titles: List[str] = []
     first_line: Dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line of "
-                                 f"{kind} must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            doc_id = row.get("_id")
-            if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or doc_id == "":
-                raise ValueError(f"{where}: '_id' must be a non-empty string (or an integer), got {doc_id!r}")
-            doc_id = str(doc_id)
-            text = row.get("text")
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
-            title = row.get("title") if require_title else None
-            if title is None:
-                title = ""
-            if not isinstance(title, str):
-                raise ValueError(f"{where}: 'title' must be a string or absent, got {title!r}")
-            if doc_id in first_line:
-                raise ValueError(f"{where}: _id {doc_id!r} repeats the one of line {first_line[doc_id]}; "
-                                 "ids must be unique")
-            first_line[doc_id] = line_no
-            ids.append(doc_id)
-            texts.append(text)
-            titles.append(title)
+    for line_no, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line of "
+                             f"{kind} must be one JSON object") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        doc_id = row.get("_id")
+        if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or doc_id == "":
+            raise ValueError(f"{where}: '_id' must be a non-empty string (or an integer), got {doc_id!r}")
+        doc_id = str(doc_id)
+        text = row.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'text' must be a string, got {text!r}")
+        title = row.get("title") if require_title else None
+        if title is None:
+            title = ""
+        if not isinstance(title, str):
+            raise ValueError(f"{where}: 'title' must be a string or absent, got {title!r}")
+        if doc_id in first_line:
+            raise ValueError(f"{where}: _id {doc_id!r} repeats the one of line {first_line[doc_id]}; "
+                             "ids must be unique")
+        first_line[doc_id] = line_no
+        ids.append(doc_id)
+        texts.append(text)
+        titles.append(title)
     return ids, texts, titles
 
 
@@ -154,31 +167,30 @@ def _read_qrels(path: str) -> Tuple[Dict[str, Dict[str, int]], int]:
     qrels: Dict[str, Dict[str, int]] = {}
     seen_at: Dict[Tuple[str, str], int] = {}
     num = 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            parts = line.split("\t")
-            if len(parts) != 3:
-                raise ValueError(f"{where}: expected 3 tab-separated fields (query-id, corpus-id, score), "
-                                 f"got {len(parts)}: {line[:80]!r}")
-            qid, doc_id, score = (p.strip() for p in parts)
-            if line_no == 1 and not _is_number(score):
-                continue  # the header (``query-id corpus-id score`` in BEIR; any names accepted)
-            if not qid or not doc_id:
-                raise ValueError(f"{where}: empty query-id or corpus-id")
-            grade = _parse_grade(score, where)
-            key = (qid, doc_id)
-            if key in seen_at:
-                if qrels[qid][doc_id] != grade:
-                    raise ValueError(f"{where}: ({qid!r}, {doc_id!r}) graded {grade}, but line {seen_at[key]} "
-                                     f"graded it {qrels[qid][doc_id]}; keep one judgment per pair")
-                continue
-            seen_at[key] = line_no
-            qrels.setdefault(qid, {})[doc_id] = grade
-            num += 1
+    for line_no, line in _utf8_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        parts = line.split("\t")
+        if len(parts) != 3:
+            raise ValueError(f"{where}: expected 3 tab-separated fields (query-id, corpus-id, score), "
+                             f"got {len(parts)}: {line[:80]!r}")
+        qid, doc_id, score = (p.strip() for p in parts)
+        if line_no == 1 and not _is_number(score):
+            continue  # the header (``query-id corpus-id score`` in BEIR; any names accepted)
+        if not qid or not doc_id:
+            raise ValueError(f"{where}: empty query-id or corpus-id")
+        grade = _parse_grade(score, where)
+        key = (qid, doc_id)
+        if key in seen_at:
+            if qrels[qid][doc_id] != grade:
+                raise ValueError(f"{where}: ({qid!r}, {doc_id!r}) graded {grade}, but line {seen_at[key]} "
+                                 f"graded it {qrels[qid][doc_id]}; keep one judgment per pair")
+            continue
+        seen_at[key] = line_no
+        qrels.setdefault(qid, {})[doc_id] = grade
+        num += 1
     return qrels, num
 
 

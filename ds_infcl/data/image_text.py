@@ -27,6 +27,9 @@ warning that says the number lost is unknown. A shard that reads cleanly but hol
 than its size says counts the difference as ``missing_from_shard``; a final partial batch that
 ``drop_last`` drops counts as ``dropped_last_batch``. So over one epoch of all readers,
 ``samples yielded + sum of the counts == samples in the shards`` whenever the sizes are known.
+A shard's damage is counted and warned about once per run, not on every read: in the stream's
+first epoch (with ``resampled=True``, the first time each reader draws it); bad samples are
+counted each time they are read.
 
 Batches are dicts::
 
@@ -228,6 +231,7 @@ class ImageTextShards(IterableDataset):
         self.caption_key = caption_key
         # Running counts of skipped samples of the reader in *this* process (num_workers=0).
         self.bad_samples: Dict[str, int] = {}
+        self._shards_counted: set = set()  # resampled: shards whose damage this reader counted
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -307,6 +311,17 @@ class ImageTextShards(IterableDataset):
             )
         return "", 0, None
 
+    def _first_read(self, shard: Dict[str, Any]) -> bool:
+        """Whether this read of a shard counts (and warns about) its damage: once per run, in the
+        stream's first epoch (each shard to one reader; ``split="sample"``: each reader its share),
+        or with resampling the first time this reader draws it."""
+        if not self.resampled:
+            return shard["epoch"] == self.epoch
+        if shard["url"] in self._shards_counted:
+            return False
+        self._shards_counted.add(shard["url"])
+        return True
+
     def _samples(self, slot: int, num_slots: int) -> Iterator[Dict[str, Any]]:
         sample_split = self.split == "sample" and not self.resampled
         position = 0  # sample split: every reader sees the same stream; positions partition it
@@ -319,6 +334,8 @@ class ImageTextShards(IterableDataset):
                         continue
                 yield sample
             reason, lost, message = self._shard_loss(report)
+            if not self._first_read(shard):  # counted (and warned about) at its first read
+                reason, lost, message = "", 0, None
             if sample_split:
                 # The lost samples take the positions they would have had: each reader counts
                 # its share, so the readers' counts add up to the loss (and later shards keep

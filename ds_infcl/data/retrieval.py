@@ -1,3 +1,5 @@
+# Over 500 lines on purpose: the retrieval data format in one place: the jsonl and shard readers with their
+# malformed-record accounting, the writers, the converter CLI and the sampler that keys on the same texts.
 """Dense-retrieval training data: jsonl and webdataset shards of query / positives / negatives.
 
 One example is ``{"query": str, "pos": [str, ...], "neg": [str, ...]}`` (the FlagEmbedding
@@ -169,34 +171,62 @@ def _report(tally: MalformedTally, reason: str, location: str, n: int = 1) -> No
     warnings.warn(f"skipping {what} at {location}: {reason}", stacklevel=3)
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def iter_text_lines(path: str) -> Iterator[Tuple[int, Union[str, UnicodeDecodeError]]]:
+    """``(line_no, text)`` per line of a UTF-8 file, decoded line by line: a line that is not
+    UTF-8 comes as ``(line_no, the UnicodeDecodeError)`` instead, so the caller can skip it and
+    name ``file:line`` (decoding the whole file would fail at a buffer offset and end the read).
+    A byte-order mark at the start of the file is dropped (``utf-8-sig``)."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if line_no == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield line_no, e
+
+
+def not_utf8_reason(e: UnicodeDecodeError) -> str:
+    """``not UTF-8 (byte 0xff at column 12)``: a line's decoding error in words (column 1-based)."""
+    return f"not UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
+
+
 def iter_retrieval_jsonl(
     paths: PathOrPaths, *, tally: Optional[MalformedTally] = None, strict: bool = False
 ) -> Iterator[RetrievalExample]:
     """Stream examples from one or more jsonl files (blank lines are ignored).
 
-    A malformed line is skipped with a warning ``skipping malformed retrieval record at
-    FILE:LINE: reason`` and counted in ``tally`` (``strict=True`` raises instead). Examples
-    without an ``idx`` get their running position over all files.
+    A malformed line (not UTF-8, not JSON, a record of the wrong shape) is skipped with a warning
+    ``skipping malformed retrieval record at FILE:LINE: reason`` and counted in ``tally``
+    (``strict=True`` raises instead). A UTF-8 byte-order mark is accepted. Examples without an
+    ``idx`` get their running position over all files.
     """
     tally = tally if tally is not None else MalformedTally()
     position = 0
     for path in _as_paths(paths):
-        with open(path, "r", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                location = f"{path}:{line_no}"
-                try:
-                    ex = parse_retrieval_record(json.loads(line), default_idx=position)
-                except ValueError as e:  # json.JSONDecodeError is a ValueError
-                    if strict:
-                        raise ValueError(f"malformed retrieval record at {location}: {e}") from None
-                    reason = f"invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
-                    _report(tally, reason, location)
-                    continue
-                position += 1
-                ex.source = location
-                yield ex
+        for line_no, line in iter_text_lines(path):
+            location = f"{path}:{line_no}"
+            if isinstance(line, UnicodeDecodeError):
+                if strict:
+                    raise ValueError(f"malformed retrieval record at {location}: {not_utf8_reason(line)}")
+                _report(tally, not_utf8_reason(line), location)
+                continue
+            if not line.strip():
+                continue
+            try:
+                ex = parse_retrieval_record(json.loads(line), default_idx=position)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                if strict:
+                    raise ValueError(f"malformed retrieval record at {location}: {e}") from None
+                reason = f"invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+                _report(tally, reason, location)
+                continue
+            position += 1
+            ex.source = location
+            yield ex
 
 
 def read_retrieval_jsonl(paths: PathOrPaths, **kwargs) -> List[RetrievalExample]:
@@ -287,7 +317,7 @@ def iter_retrieval_shards(
                 _report(tally, "no .json member", location)
                 continue
             try:
-                ex = parse_retrieval_record(json.loads(raw.decode("utf-8")))
+                ex = parse_retrieval_record(json.loads(raw.decode("utf-8-sig")))
             except (ValueError, UnicodeDecodeError) as e:
                 if strict:
                     raise ValueError(f"malformed retrieval sample at {location}: {e}") from None

@@ -95,5 +95,16 @@ class PerGroup:
     def values(self) -> list:
         return [value for _, value in self._values.values()]
 
+    def items(self) -> list:
+        """``[(process group, value), ...]``."""
+        return list(self._values.values())
+
+    def discard(self, group) -> None:
+        """Forget ``group`` (and let its process-group object go)."""
+        pg = process_group(group)
+        got = self._values.get(id(pg))
+        if got is not None and got[0] is pg:
+            del self._values[id(pg)]
+
     def __bool__(self) -> bool:
         return bool(self._values)

@@ -23,8 +23,15 @@ token), then whether it could map the file. The channel is used only where every
 is on one host and mapped the file; else the process group for good. The decision comes from
 gathered values, so ranks never disagree, and no collective is added. ``DS_INFCL_LAYOUT_SHM``:
 ``auto`` (default) for NCCL groups, ``1`` for any backend (gloo too: the CPU tests), ``0`` never.
-A rank that does not arrive within ``DS_INFCL_LAYOUT_SHM_TIMEOUT`` seconds (default 1800) stops
-the waiting ranks with an error naming it, as the process group's timeout would.
+A rank that does not arrive within the process group's own timeout (its backend's options, the
+``timeout`` of ``init_process_group`` / ``new_group``) or ``DS_INFCL_LAYOUT_SHM_TIMEOUT`` seconds
+(default 1800), whichever is shorter, stops the waiting ranks with an error naming it, as the
+process group's collective would; a rank that has waited a second polls every millisecond.
+
+A destroyed group's channel is unmapped (and its file name removed, if it is still there) at the
+next exchange of any group after ``torch.distributed.destroy_process_group`` (which offers no hook:
+the states of groups no longer registered with torch.distributed are released then), or by
+:func:`release_destroyed_groups`.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ import torch.distributed as dist
 
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size
 
-__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "host_hash", "release_names", "state_for"]
+__all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "group_timeout_s", "host_hash", "release_destroyed_groups",
+           "release_names", "state_for"]
 
 SLOTS = 3
 _DIR = "/dev/shm"
@@ -85,8 +93,10 @@ def _check(row: np.ndarray) -> int:
 class HostChannel:
     """One group's rows in a shared file (see the module doc)."""
 
-    def __init__(self, path: str, world: int, rank: int, width: int, create: bool):
+    def __init__(self, path: str, world: int, rank: int, width: int, create: bool,
+                 group_timeout: Optional[float] = None):
         self.world, self.rank, self.width = world, rank, width
+        self.group_timeout = group_timeout  # the process group's own timeout (s), None if unknown
         size = SLOTS * world * (width + 2) * 8
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
@@ -114,6 +124,7 @@ class HostChannel:
         table[self.rank] = [int(v) for v in fields]
         pending = [r for r in range(self.world) if r != self.rank]
         start = time.monotonic()
+        limit = TIMEOUT_S if self.group_timeout is None else min(TIMEOUT_S, self.group_timeout)
         while pending:
             waiting = []
             for r in pending:
@@ -126,19 +137,32 @@ class HostChannel:
             if not pending:
                 break
             waited = time.monotonic() - start
-            if waited > TIMEOUT_S:
+            if waited > limit:
+                which = (f"DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s" if limit == TIMEOUT_S else
+                         f"the process group's timeout of {limit:g} s (DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s)")
                 raise RuntimeError(
                     f"layout exchange over host shared memory: rank(s) {pending} of the group did not "
-                    f"reach this loss call (the channel's exchange {seq}) within "
-                    f"DS_INFCL_LAYOUT_SHM_TIMEOUT={TIMEOUT_S:g} s (a rank stopped, or calls the loss fewer "
-                    "times than the others)")
+                    f"reach this loss call (the channel's exchange {seq}) within {which} (a rank stopped, "
+                    "or calls the loss fewer times than the others)")
             if waited > _SPIN_S:
-                time.sleep(0 if waited < 0.01 else 1e-4)
+                time.sleep(0 if waited < 0.01 else 1e-4 if waited < 1.0 else 1e-3)
         return table
 
     def close(self) -> None:
         self.rows = None
         self._map.close()
+
+
+def group_timeout_s(group, dev: torch.device) -> Optional[float]:
+    """The process group's own collective timeout in seconds (its backend's options: the
+    ``timeout`` given to ``init_process_group`` / ``new_group``, or torch's default), ``None``
+    where the backend does not tell it."""
+    try:
+        backend = dist.distributed_c10d._get_default_group() if group is None else group
+        timeout = backend._get_backend(dev).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options (e.g. a fake one)
+        return None
+    return timeout.total_seconds() if timeout is not None else None
 
 
 def host_hash() -> int:
@@ -184,6 +208,7 @@ class GroupState:
     def __init__(self, group, rank: int, world: int, width: int):
         self.group, self.rank, self.world, self.width = group, rank, world, width
         self.step, self.channel, self.token = 0, None, 0
+        self.group_timeout: Optional[float] = None
 
     @property
     def ready(self) -> bool:
@@ -193,10 +218,12 @@ class GroupState:
         """``[host hash, word]`` for this exchange's row (``[0, 0]`` once decided)."""
         if self.step == 0:
             want = _wanted(self.group, dev) and os.path.isdir(_DIR)
+            self.group_timeout = group_timeout_s(self.group, dev) if want else None
             if want and self.rank == 0:
                 self.token = secrets.randbits(62) | 2
                 try:
-                    self.channel = HostChannel(_path(self.token), self.world, 0, self.width, create=True)
+                    self.channel = HostChannel(_path(self.token), self.world, 0, self.width, create=True,
+                                               group_timeout=self.group_timeout)
                     _NAMES.add(_path(self.token))  # removed at exit if no second exchange comes
                 except OSError:
                     want, self.token = False, 0
@@ -211,7 +238,8 @@ class GroupState:
             use = all(words) and len(set(hosts)) == 1 and words[0] > 1
             if use and self.rank != 0:
                 try:
-                    self.channel = HostChannel(_path(words[0]), self.world, self.rank, self.width, create=False)
+                    self.channel = HostChannel(_path(words[0]), self.world, self.rank, self.width, create=False,
+                                               group_timeout=self.group_timeout)
                 except OSError:
                     self.channel = None
             self.step = 1 if use else 2
@@ -231,13 +259,53 @@ class GroupState:
             self.channel.close()
         self.channel = None
 
+    def release(self) -> None:
+        """Unmap the channel and remove the file's name if this rank still holds it (the group is
+        gone); the state is decided for good (no channel)."""
+        self._drop()
+        if self.token:
+            _unlink(_path(self.token))
+            self.token = 0
+        self.step = 2
+
 
 def _wanted(group, dev: torch.device) -> bool:
     return MODE == "1" or (MODE == "auto" and dev.type == "cuda" and dist.get_backend(group) == "nccl")
 
 
+_REGISTRY_STAMP: list = [None]  # (number of live groups, groups made, default group) at the last sweep
+
+
+def _live_groups():
+    """torch.distributed's table of registered process groups (destroyed ones leave it)."""
+    return dist.distributed_c10d._world.pg_map
+
+
+def release_destroyed_groups() -> int:
+    """Release the states of groups that ``destroy_process_group`` has destroyed: unmap their
+    channels, remove a file name still held. Returns how many. Runs at every exchange where the
+    set of registered groups changed since the last sweep (a cheap check); callable directly."""
+    live = _live_groups()
+    released = 0
+    for pg, state in _STATES.items():
+        if pg not in live:
+            state.release()
+            _STATES.discard(pg)
+            released += 1
+    return released
+
+
 def state_for(group, width: int) -> GroupState:
-    """The group's state (made at its first exchange; a lookup, no collective)."""
+    """The group's state (made at its first exchange; a lookup, no collective). Releases the
+    states of destroyed groups first when the set of registered groups has changed."""
+    world_state = dist.distributed_c10d._world
+    # (a default group made again after destroy_process_group() is another object: the old one,
+    # kept by _STATES, cannot lend it its id)
+    stamp = (len(world_state.pg_map), world_state.group_count, id(dist.group.WORLD))
+    if stamp != _REGISTRY_STAMP[0]:
+        if _STATES:
+            release_destroyed_groups()
+        _REGISTRY_STAMP[0] = stamp
     state = _STATES.get(group)
     if state is None:
         state = GroupState(group, group_rank(group), group_size(group), width)

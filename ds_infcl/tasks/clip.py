@@ -57,6 +57,18 @@ __all__ = ["ClipTask", "caption_ids", "ensure_digits_shards", "BUILTIN_DATA", "b
            "scan_index_bound"]
 
 
+def _summed_over_ranks(n: int) -> int:
+    """``n`` summed over the ranks where torch.distributed is initialized (a collective: every
+    rank calls it), else ``n``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(n)
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, int(n))
+    return sum(gathered)
+
+
 def _log_bad_image(message: str) -> None:
     logging.getLogger(__name__).warning("GPU decode skipped a bad image (counted as bad_image): %s", message)
 
@@ -376,8 +388,9 @@ class ClipTask:
 
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
         """Zero-shot accuracy and recall@1/5/10 on the held-out shards (see ``evaluate_encoders``),
-        plus ``bad_samples``: training samples this rank skipped so far."""
-        metrics: Dict[str, float] = {"bad_samples": float(self.tally.total)}
+        plus ``bad_samples``: the training samples skipped so far, an integer summed over the ranks
+        (the sum of the reasons of ``data_report``; every rank calls ``evaluate``)."""
+        metrics: Dict[str, float] = {"bad_samples": _summed_over_ranks(self.tally.total)}
         batches = self.heldout_batches()
         if not batches:
             return metrics

@@ -157,11 +157,19 @@ class RetrievalTask:
                         f"task.args.data: {p!r} {what}; give jsonl files (one {{\"query\", \"pos\", \"neg\"}} "
                         "object per line), .tar shards or brace patterns, or \"chatterbot\""
                     )
-            self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
-            if shards:
-                self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
+            try:
+                self.examples = list(iter_retrieval_jsonl(jsonl, tally=self.tally)) if jsonl else []
+                if shards:
+                    self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
+            except OSError as e:  # unreadable (permissions, a read error): a config error, not a traceback
+                raise ConfigError(f"task.args.data: cannot read {e.filename or data!r}: {e.strerror or e}") from None
         if not self.examples:
-            raise ValueError(f"no training examples in {data!r} ({self.tally.total} malformed skipped)")
+            skipped = (f"{self.tally.total} malformed records skipped ({self.tally.counts}; first at "
+                       f"{', '.join(self.tally.where[:3])})") if self.tally.total else "the input holds no record"
+            raise ConfigError(
+                f"task.args.data: no training examples in {data!r}: {skipped}; give jsonl files with one "
+                "{\"query\", \"pos\", \"neg\"} object per line (UTF-8), .tar shards, or \"chatterbot\""
+            )
         if num_negatives > 0:
             _check_hard_negatives(self.examples, num_negatives)
         self.beir = None
@@ -330,7 +338,8 @@ class RetrievalTask:
     @torch.no_grad()
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
         """Held-out NDCG@10, MRR@10, Recall@1/10/100 (when the data has a held-out split)."""
-        metrics: Dict[str, float] = {"malformed_records": float(self.tally.total)}
+        # an integer count (every rank reads all the data: the same number on every rank)
+        metrics: Dict[str, float] = {"malformed_records": int(self.tally.total)}
         if self.beir is not None:  # every rank runs it alike (ZeRO-3 forwards are collective)
             from ds_infcl.adapters.beir_eval import TokenizingEmbedder, evaluate_beir
 

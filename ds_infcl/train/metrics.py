@@ -15,6 +15,7 @@ events use the sample count).
 from __future__ import annotations
 
 import csv
+import numbers
 import os
 import resource
 import sys
@@ -183,9 +184,11 @@ class MetricsLogger:
 
 
 def format_metrics(metrics: dict) -> str:
-    """``k=v, ...`` sorted by name; counts (``num_*``, ``*_samples``) as integers, the rest with
-    four decimals."""
+    """``k=v, ...`` sorted by name; counts (integer values, and ``num_*`` / ``*_samples`` with an
+    integral value) as integers, the rest with four decimals."""
     def fmt(key, value):
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return f"{key}={int(value)}"
         if (key.startswith("num_") or key.endswith("_samples")) and float(value).is_integer():
             return f"{key}={int(value)}"
         return f"{key}={value:.4f}"

@@ -1,7 +1,8 @@
 """The OpenCLIP drop-ins (``ds_infcl.adapters.open_clip_loss``) against OpenCLIP's own
 ``ClipLoss`` / ``SigLipLoss`` in one process: same constructor and forward signatures, same loss
 and gradients (features, scale, bias), ``output_dict``, and clear errors for what is not
-supported. The multi-rank comparison is in tests/loss/test_siglip_dist.py."""
+supported. The multi-rank comparisons are in tests/loss/test_siglip_dist.py and (``ClipLoss``'s
+``local_loss`` / ``gather_with_grad``) tests/adapters/test_open_clip_loss_dist.py."""
 
 import inspect
 
@@ -44,7 +45,8 @@ def test_signatures_match_openclip(name):
 @pytest.mark.parametrize("b", [1, 7, 33])
 def test_clip_loss_matches_openclip(b):
     img, txt = _features(b, 24, seed=b)
-    for flags in ({}, {"local_loss": True, "gather_with_grad": True}):
+    for flags in ({}, {"local_loss": True}, {"gather_with_grad": True}, {"local_loss": True, "gather_with_grad": True},
+                  {"cache_labels": True}):
         for scalars in ((14.3,), (14.3, 0.5)):  # with a logit bias too (zero gradient)
             ours = _run(open_clip_loss.ClipLoss(**flags), img, txt, *scalars)
             theirs = _run(oc.ClipLoss(**flags), img, txt, *scalars)

@@ -187,3 +187,38 @@ def test_retrieval_shards_count_the_examples_a_damaged_shard_lost(tmp_path):
         warnings.simplefilter("ignore")
         list(iter_retrieval_shards(str(tmp_path / "rt-{000000..000002}.tar"), tally=tally))
     assert tally.counts == {"unreadable shard": 1}
+
+
+@pytest.mark.parametrize("sizes_known", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_damaged_shard_is_counted_and_warned_about_once_per_run(damaged, monkeypatch, caplog, sizes_known,
+                                                                  world_size):
+    """An endless stream reads every shard once per epoch: a damaged shard used to be counted (and
+    warned about) at every read, so its loss grew with the number of epochs. Bad samples are
+    skipped each time they are read; a shard's damage counts once."""
+    if not sizes_known:
+        os.remove(damaged.folder / "train.json")
+    with caplog.at_level(logging.WARNING, logger="ds_infcl.data.image_text"):
+        counts = {}
+        for rank in range(world_size):
+            monkeypatch.setattr(image_text_module, "get_worker_info", lambda: None)
+            ds = ImageTextShards(damaged.pattern, image_transform=TRANSFORM, rank=rank, world_size=world_size,
+                                 batch_size=1, repeat=True, seed=3)
+            stream = iter(ds)
+            for _ in range(4 * len(damaged.read) // world_size):  # about four epochs
+                next(stream)
+            for reason, n in ds.bad_samples.items():
+                counts[reason] = counts.get(reason, 0) + n
+    shard_counts = {k: v for k, v in counts.items() if k in ("lost_in_bad_shard", "bad_tar")}
+    assert shard_counts == ({"lost_in_bad_shard": 10} if sizes_known else {"bad_tar": 3}), counts
+    assert counts["bad_image"] >= 2 * world_size  # bad samples: at every read
+    for shard in damaged.shard[2:5]:
+        assert caplog.text.count(f"damaged shard {shard} ") == 1, caplog.text
+
+
+def test_a_resampled_reader_counts_a_damaged_shard_once(damaged):
+    ds = ImageTextShards(damaged.pattern, image_transform=TRANSFORM, batch_size=1, resampled=True, seed=0)
+    stream = iter(ds)
+    for _ in range(120):  # about 40 draws of 6 shards: each damaged one drawn several times
+        next(stream)
+    assert ds.bad_samples["lost_in_bad_shard"] == 10 and ds.bad_samples["bad_image"] > 1, ds.bad_samples

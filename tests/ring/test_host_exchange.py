@@ -1,8 +1,9 @@
 """The layout exchange through the host's shared memory (``ds_infcl.ring.host_exchange``), on gloo
 ranks of one host with ``MODE = "1"``: the same layouts as the process group's all-gather over
 calls whose sizes change on every rank, a failed input check that stops every rank, a rank that
-never arrives (an error naming it, not a hang), ranks that disagree on the setting (both fall
-back), and the loss over it against the reference."""
+never arrives (an error naming it, not a hang, after the process group's own timeout where that is
+shorter than the setting), ranks that disagree on the setting (both fall back), the loss over it
+against the reference, and a destroyed group's channel unmapped at the next exchange."""
 
 from __future__ import annotations
 
@@ -172,3 +173,108 @@ def test_a_bad_setting_stops_the_import():
         r = subprocess.run([sys.executable, "-c", "import ds_infcl.ring"], env=dict(os.environ, **{name: value}),
                            capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and f"{name} {want}" in r.stderr, r.stderr
+
+
+def _missing_short_group_timeout(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = "1"  # DS_INFCL_LAYOUT_SHM_TIMEOUT left at its default, 1800 s
+    for _ in range(2):  # (the channel set up)
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    if rank == 1:
+        time.sleep(5.0)
+        return "left"
+    start = time.monotonic()
+    try:
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    except RuntimeError as err:
+        return str(err), time.monotonic() - start, host_exchange.TIMEOUT_S
+    return "no error", 0.0, host_exchange.TIMEOUT_S
+
+
+def test_the_wait_ends_at_the_process_groups_own_timeout():
+    """A library user's group made with ``timeout=2 s`` (no watchdog of the trainer): a rank that
+    never arrives is an error after about 2 s, not after DS_INFCL_LAYOUT_SHM_TIMEOUT's 1,800 s."""
+    (msg, waited, setting), left = spawn(_missing_short_group_timeout, 2, None, timeout=120, pg_timeout=2.0)
+    assert left == "left" and setting == 1800.0
+    assert "rank(s) [1]" in msg and "the process group's timeout of 2 s" in msg, msg
+    assert 2.0 <= waited < 4.0, waited
+
+
+def _mapped_layout_files():
+    with open("/proc/self/maps") as f:
+        return sum("ds_infcl_layout_" in line for line in f)
+
+
+def _destroyed(rank, world, payload):
+    import torch.distributed as dist
+
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = "1"
+    sub = dist.new_group([0, 1])
+    for _ in range(3):  # set up, then one exchange over the channel
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), sub)
+    state = host_exchange._STATES.get(sub)
+    channel = state.channel
+    ready, mapped = state.ready, _mapped_layout_files()
+    dist.destroy_process_group(sub)
+    del sub
+    after_destroy = _mapped_layout_files()  # nothing happens until the next exchange
+    for _ in range(3):  # the next exchange (any group) releases the destroyed group's channel
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    out = dict(ready=ready, mapped=mapped, after_destroy=after_destroy, after_next=_mapped_layout_files(),
+               map_closed=channel._map.closed, channel=state.channel, states=len(host_exchange._STATES.values()),
+               world_ready=host_exchange._STATES.get(None).ready, released_again=host_exchange.release_destroyed_groups())
+    # The whole world destroyed, then made again (a new default group): its first exchange releases
+    # the old world's channel; release_destroyed_groups() does it at once.
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{payload}/store", rank=rank, world_size=world)
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    out.update(after_reinit=_mapped_layout_files(), states_after_reinit=len(host_exchange._STATES.values()))
+    dist.destroy_process_group()
+    out.update(released_at_end=host_exchange.release_destroyed_groups(), mapped_at_end=_mapped_layout_files())
+    return out
+
+
+def test_a_destroyed_groups_channel_is_unmapped():
+    """Channels of destroyed groups used to stay mapped until the process ended; now the next
+    exchange releases them (the world group's own channel, made then, stays)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as store:
+        results = spawn(_destroyed, 2, store, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["ready"] and res["mapped"] == 1 and res["after_destroy"] == 1, (rank, res)
+        assert res["map_closed"] and res["channel"] is None, (rank, res)
+        assert res["after_next"] == 1 and res["world_ready"] and res["states"] == 1, (rank, res)  # the world's
+        assert res["released_again"] == 0, (rank, res)
+        assert res["after_reinit"] == 1 and res["states_after_reinit"] == 1, (rank, res)
+        assert res["released_at_end"] == 1 and res["mapped_at_end"] == 0, (rank, res)
+
+
+def _reinit(rank, world, payload):
+    import torch.distributed as dist
+
+    from ds_infcl.ring import host_exchange
+    from ds_infcl.ring.layout import exchange_layout
+
+    host_exchange.MODE = "1"
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    dist.destroy_process_group()  # no group but the world's: the registry's counts look the same after
+    dist.init_process_group("gloo", init_method=f"file://{payload}/store", rank=rank, world_size=world)
+    for _ in range(3):
+        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
+    return _mapped_layout_files(), len(host_exchange._STATES.values())
+
+
+def test_a_default_group_made_again_releases_the_old_ones_channel():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as store:
+        results = spawn(_reinit, 2, store, timeout=120)
+    assert results == [(1, 1), (1, 1)], results

@@ -78,6 +78,22 @@ def test_format_metrics_counts_are_integers():
     assert format_metrics({"num_images": 359.0, "top1": 0.5}) == "num_images=359, top1=0.5000"
 
 
+def test_integer_counts_read_the_same_in_the_log_the_csv_and_the_summary(tmp_path, capsys):
+    """A task's counts (``malformed_records``, ``bad_samples``) are integers: they used to print
+    as ``malformed_records=1.0000`` in the log and ``1.0`` in summary.json."""
+    import json
+
+    metrics = {"malformed_records": 1, "bad_samples": 3, "recall@1": 0.25}
+    assert format_metrics(metrics) == "bad_samples=3, malformed_records=1, recall@1=0.2500"
+    log = MetricsLogger(str(tmp_path), enabled=True, progress_bar=False, tensorboard=False)
+    log.log_eval(2, metrics)
+    log.close()
+    rows = list(csv.DictReader(open(tmp_path / "eval.csv")))
+    assert rows == [{"step": "2", "bad_samples": "3", "malformed_records": "1", "recall@1": "0.25"}]
+    assert json.loads(json.dumps(metrics)) == {"malformed_records": 1, "bad_samples": 3, "recall@1": 0.25}
+    assert format_metrics({"flag": True}) == "flag=1.0000"  # a bool is not a count
+
+
 def test_a_run_honours_deepspeeds_csv_monitor(tmp_path):
     # The DeepSpeed JSON's csv_monitor block, as a user sets it: DeepSpeed's own lr events and the
     # run's scalars (Train/loss per optimizer step) land in its folder.
