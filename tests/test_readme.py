@@ -93,6 +93,35 @@ def test_readme_run_configs_validate(index, tmp_path):
     assert not unknown, f"README.md line {line}: task {cfg.task.name!r} takes no argument(s) {sorted(unknown)}"
 
 
+def test_readme_clip_recipe_passes_check_on_img2dataset_shards(tmp_path, capsys):
+    """Recipe (b)'s own ``--check`` line, on its run config pointed at a tiny folder in
+    img2dataset's layout (tars of jpg + txt + json, and sizes.json)."""
+    from ds_infcl.data.synth_jpeg_shards import write_synth_jpeg_shards
+    from ds_infcl.train.cli import main
+
+    text = README.read_text()
+    recipe = text.split("## Recipe (b)", 1)[1].split("\n## ", 1)[0]
+    (_, body), = fenced_blocks(recipe, "json")
+    config = json.loads(body)
+    shards = tmp_path / "shards"
+    write_synth_jpeg_shards(str(shards), num_samples=8, samples_per_shard=4, image_size=32, processes=1)
+    config["task"]["args"]["data_dir"] = str(shards)
+    config["output_dir"] = str(tmp_path / "out")
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    lines = [ln for _, b in fenced_blocks(recipe, "bash") for ln in b.splitlines() if "--check" in ln]
+    assert len(lines) == 1, "recipe (b) should show one --check line"
+    argv = lines[0].split()
+    assert argv[:3] == ["python", "-m", "ds_infcl.train"], lines[0]
+    argv = [str(tmp_path / "run.json") if a == "run.json" else a for a in argv[3:]]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "ok: world" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # --check writes nothing
+    config["task"]["args"]["data_dir"] = str(tmp_path / "missing")
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    assert main(argv) == 2
+    assert "task.args.data_dir" in capsys.readouterr().err
+
+
 def shell_text() -> str:
     text = README.read_text()
     return "\n".join(body for _, body in fenced_blocks(text, "bash"))
