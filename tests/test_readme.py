@@ -255,3 +255,11 @@ def test_link_check_finds_a_broken_link(tmp_path, monkeypatch):
     page = tmp_path / "b.md"
     page.write_text("[ok](a.md) [ok](a.md#some-heading) [no](c.md) [no](a.md#other) [web](https://x.org)\n")
     assert broken_links(page) == ["b.md: c.md (no such file)", "b.md: a.md#other (no heading with that anchor)"]
+
+
+def test_notes_index_lists_every_notes_page():
+    notes = ROOT / "docs" / "notes"
+    index = (notes / "README.md").read_text()
+    listed = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    pages = {p.name for p in notes.glob("*.md")} - {"README.md"}
+    assert pages <= listed, f"docs/notes/README.md does not list {sorted(pages - listed)}"
