@@ -64,7 +64,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ds_infcl.ops.validation import choice_setting, int_setting
+from ds_infcl import settings
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size, process_group
 from ds_infcl.ring.host_exchange import host_hash
 from ds_infcl.ring.layout import RingLayout, all_gather_single
@@ -74,10 +74,10 @@ __all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys",
 # 1: the copy engines where every rank of the group is on one host and symmetric memory works;
 # 0 (default): the process group's all-gather, faster at 16k rows per GPU on 2 x H100 (see the
 # module doc). Ranks must agree (ds_infcl.loss.ring.algorithm_settings).
-PEER_COPY = choice_setting("DS_INFCL_PEER_COPY", "0", ("0", "1"))
+PEER_COPY = settings.get("DS_INFCL_PEER_COPY")
 # The smallest largest-key-block (rows) that takes the copy engines: below it the call is bound by
 # the host, which the extra stream work would slow.
-PEER_COPY_MIN_ROWS = int_setting("DS_INFCL_PEER_COPY_MIN_ROWS", 16384, minimum=0)
+PEER_COPY_MIN_ROWS = settings.get("DS_INFCL_PEER_COPY_MIN_ROWS")
 
 _TRANSPORTS = PerGroup()  # process group -> PeerKeys, or None where it could not be set up
 _EPOCHS = 0xFFFFFFFF  # epochs run 1 .. 2**32 - 1 (the driver compares them cyclically, 0: not staged)

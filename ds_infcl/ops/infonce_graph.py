@@ -47,16 +47,15 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
+from ds_infcl import settings
 
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
-_MODES = ("auto", "1", "0")
-CUDA_GRAPH = choice_setting("DS_INFCL_CUDA_GRAPH", "auto", _MODES)  # checked at import
-MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
-GATHER_MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
+CUDA_GRAPH = settings.get("DS_INFCL_CUDA_GRAPH")  # checked at import
+MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS")
+GATHER_MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS")
 MAX_GRAPHS = 6
 
 _SEEN: "collections.Counter" = collections.Counter()
@@ -75,7 +74,7 @@ def clear_graphs() -> None:
 def _eligible(tensor: torch.Tensor, backend: str, logits: int, max_logits: Optional[int] = None) -> bool:
     """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph
     (under ``auto``: ``logits <= max_logits``, default ``MAX_LOGITS``)."""
-    mode = check_choice("DS_INFCL_CUDA_GRAPH", CUDA_GRAPH, _MODES)
+    mode = settings.check("DS_INFCL_CUDA_GRAPH", CUDA_GRAPH)
     if mode == "0" or backend != "triton" or not tensor.is_cuda or tensor.device.index != torch.cuda.current_device():
         return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():

@@ -79,14 +79,14 @@ def _local(case, seed, rank):
 
 
 def _worker(rank, world, cases):
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
     out = []
     for seed, case in enumerate(cases):
         os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
-        ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
+        algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
         q, k, labels = _local(case, seed, rank)
         q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
         s = torch.nn.Parameter(torch.full((1,), SCALE))  # a one-element parameter, as a module's
