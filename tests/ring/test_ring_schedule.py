@@ -163,6 +163,24 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
         algorithm.choose_algorithm(layout(16), 512, 2)
 
 
+def test_the_fused_path_rejects_a_bad_algorithm_setting(monkeypatch):
+    """ring_fused (the gather path's early own block, before the layout exchange) reads
+    DS_INFCL_ALGORITHM as choose_algorithm does: a value that names no algorithm is an error, not
+    "auto"."""
+    from ds_infcl.loss import ring_fused
+
+    q, k, s = torch.randn(4, C), torch.randn(6, C), torch.tensor(2.0)
+    monkeypatch.setattr(ring_fused, "EARLY_MIN_LOGITS", 1)
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
+    for world in (1, 2):
+        with pytest.raises(ValueError, match="^DS_INFCL_ALGORITHM must be auto, ring or gather, got 'fast'$"):
+            ring_fused.own_block_early(q, k, s, None, True, "torch", None, world)
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
+    assert ring_fused.own_block_early(q, k, s, None, True, "torch", None, 2) is None
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
+    assert ring_fused.own_block_early(q, k, s, None, True, "torch", None, 2) is not None
+
+
 def test_the_exchange_overlaps_small_blocks_only(monkeypatch):
     """auto: the hop's exchange runs beside the block's kernels up to RING_OVERLAP_MAX_ROWS rows in
     the largest block, after them above (measured, see overlap_exchange); 1 / 0 pin it."""
