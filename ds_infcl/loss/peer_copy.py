@@ -297,17 +297,25 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
         return None
     if group in _TRANSPORTS:
         return _TRANSPORTS.get(group)
-    transport = None
+    transport, why = None, "the ranks of the group are not all on one host"
     if _same_host(group, device):
         try:
             import torch.distributed._symmetric_memory as symm
 
             transport = PeerKeys(group, device, symm)  # the signals' rendezvous and the driver's ops
             transport._fit(1, torch.float32)  # the rendezvous: every rank, or an error on every rank
-        except Exception:  # noqa: BLE001 - no symmetric memory here: the process group's all-gather
+        except Exception as err:  # noqa: BLE001 - no symmetric memory here: the process group's all-gather
             transport = None
+            why = f"symmetric memory failed on this rank ({type(err).__name__}: {str(err).strip()[:300]})"
         if not _agree(transport is not None, group, device):
+            if transport is not None:
+                why = "another rank of the group could not set up symmetric memory (its warning says why)"
             transport = None
+    if transport is None:
+        settings.warn_once("peer_copy", (
+            f"ds_infcl: DS_INFCL_PEER_COPY=1, but the copy-engine transport of the gather path's keys cannot "
+            f"be used: {why}; the process group's all-gather carries the keys instead (set DS_INFCL_PEER_COPY=0 "
+            "to silence)"))
     _TRANSPORTS.set(group, transport)
     return transport
 

@@ -170,14 +170,21 @@ def _lookup(k, build, what: Callable[[], str]):
     if len(_SEEN) > 1024:  # shapes that keep changing: start counting afresh
         _SEEN.clear()
     _SEEN[k] += 1
-    if _SEEN[k] < 2 or len(_GRAPHS) >= MAX_GRAPHS:
+    if _SEEN[k] < 2:
+        return None
+    if len(_GRAPHS) >= MAX_GRAPHS:
+        settings.warn_once("cuda_graph_cache_full", (
+            f"ds_infcl: {what()} repeats but runs eagerly, not from a CUDA graph: the cache holds its "
+            f"MAX_GRAPHS = {MAX_GRAPHS} graphs already (the first shapes that repeated), so timings of later "
+            "shapes include the host's launch work; clear_graphs() frees the cache, DS_INFCL_CUDA_GRAPH=0 "
+            "turns the graphs off (and silences this)"))
         return None
     try:
         graphed = build()
     except RuntimeError as e:  # e.g. a kernel this CUDA/driver cannot capture: eager for this shape
         _FAILED.add(k)
         warnings.warn(f"ds_infcl: capturing {what()} in a CUDA graph failed ({e}); this shape runs eagerly "
-                      "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", RuntimeWarning)
+                      "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", settings.FastPathWarning)
         return None
     _GRAPHS[k] = graphed
     return graphed

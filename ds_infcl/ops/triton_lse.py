@@ -284,14 +284,15 @@ def _gluon_failed(err: Exception, kernel: str) -> None:
         f"ds_infcl: the Gluon {kernel} kernel could not be built with Triton {triton.__version__} "
         f"({_GLUON_FAILED[kernel]}); {instead} instead, for the rest of this process "
         "(DS_INFCL_GLUON=0 skips the attempt, DS_INFCL_GLUON=1 makes it an error)",
-        RuntimeWarning, stacklevel=3)
+        settings.FastPathWarning, stacklevel=3)
 
 
 def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward") -> bool:
     """Whether the Gluon ``kernel`` (``gluon_lse_kernels``: the backward's ``G``, or the
     forward's statistics) runs: ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit
     inputs whose rows are 16-byte aligned (TMA), with Gluon in the installed Triton; ``0`` never;
-    ``1`` requires it (an error names what is missing)."""
+    ``1`` requires it (an error names what is missing). Under ``auto`` on a Hopper GPU whose Triton
+    has no usable Gluon, 16-bit inputs get a ``FastPathWarning`` that says so, once per process."""
     mode = settings.get("DS_INFCL_GLUON")
     if mode == "0":
         return False
@@ -301,6 +302,9 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward")
     elif not gluon_lse_kernels.AVAILABLE:
         why = (f"this Triton ({triton.__version__}) has no usable Gluon Hopper API "
                f"({gluon_lse_kernels.UNAVAILABLE_WHY})")
+        if mode == "auto" and _on_hopper(query) and _fma_exp(query):  # (16-bit inputs: Gluon's)
+            settings.warn_once("gluon_unavailable", f"ds_infcl: the Gluon kernels are not used on this Hopper GPU: "
+                               f"{why}; the Triton kernels run instead (set DS_INFCL_GLUON=0 to silence)")
     elif query.device.type != "cuda" or _interpreting():
         why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
     elif torch.cuda.get_device_capability(query.device)[0] != 9:
@@ -312,6 +316,12 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward")
     if why is not None and mode == "1":
         raise RuntimeError(f"DS_INFCL_GLUON=1, but the Gluon {kernel} cannot run: {why}")
     return why is None
+
+
+def _on_hopper(query: torch.Tensor) -> bool:
+    """Whether ``query`` is on a Hopper GPU (compiled kernels, not the interpreter)."""
+    return (query.device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(query.device)[0] == 9)
 
 
 def _fma_exp(query: torch.Tensor) -> bool:
