@@ -202,15 +202,17 @@ SETTINGS: Tuple[Setting, ...] = (
        home="ds_infcl.ops.triton_lse:FMA_EXP"),
     # -- tuning ---------------------------------------------------------------------------------------------
     _S("DS_INFCL_TRITON_FWD", "text", None, CALL, MAY_DIFFER, _TUNING,
-       "the Triton forward's tiles", values="`BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]`"),
+       "the Triton forward's tiles", values="`BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]`", shown="measured"),
     _S("DS_INFCL_TRITON_BWD", "text", None, CALL, MAY_DIFFER, _TUNING,
-       "the Triton backward's tiles", values="`BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]`"),
+       "the Triton backward's tiles", values="`BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]`", shown="measured"),
     _S("DS_INFCL_TRITON_CHUNK", "text", None, CALL, MAY_DIFFER, _TUNING,
-       "the block of `G` the backward writes at once", values="`RxC`"),
+       "the block of `G` the backward writes at once", values="`RxC`", shown="measured"),
     _S("DS_INFCL_GLUON_TILES", "text", None, CALL, MAY_DIFFER, _TUNING,
-       "the Gluon backward's tiles", values="`BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]`"),
+       "the Gluon backward's tiles", values="`BM,BN,BK,stages,consumers[,consumer_regs,producer_regs,maxnreg]`",
+       shown="measured"),
     _S("DS_INFCL_GLUON_FWD_TILES", "text", None, CALL, MAY_DIFFER, _TUNING,
-       "the Gluon forward's tiles", values="`BM,BN,BK,stages,turns[,consumer_regs,producer_regs,maxnreg]`"),
+       "the Gluon forward's tiles", values="`BM,BN,BK,stages,turns[,consumer_regs,producer_regs,maxnreg]`",
+       shown="measured"),
     # -- data and tests ---------------------------------------------------------------------------------------
     _S("DS_INFCL_DIGITS", "text", None, CALL, MAY_DIFFER, _DATA,
        "where the built-in digits data (`builtin:digits`) lives (unset: `data/digits`, relative to the working "

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla", "openclip")
-# infcl picks its algorithm by size (ds_infcl.loss.ring.choose_algorithm); infcl_ring and
+# infcl picks its algorithm by size (ds_infcl.loss.algorithm.choose_algorithm); infcl_ring and
 # infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
 _PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
 # infcl with the gather path's own block backward pinned in the forward or in the backward

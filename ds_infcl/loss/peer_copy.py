@@ -69,11 +69,11 @@ from ds_infcl.ring.groups import PerGroup, group_rank, group_size, process_group
 from ds_infcl.ring.host_exchange import host_hash
 from ds_infcl.ring.layout import RingLayout, all_gather_single
 
-__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of", "settings_text"]
+__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of"]
 
 # 1: the copy engines where every rank of the group is on one host and symmetric memory works;
 # 0 (default): the process group's all-gather, faster at 16k rows per GPU on 2 x H100 (see the
-# module doc). Ranks must agree (ds_infcl.loss.ring.algorithm_settings).
+# module doc). Ranks must agree (ds_infcl.loss.algorithm.algorithm_settings).
 PEER_COPY = settings.get("DS_INFCL_PEER_COPY")
 # The smallest largest-key-block (rows) that takes the copy engines: below it the call is bound by
 # the host, which the extra stream work would slow.
@@ -81,11 +81,6 @@ PEER_COPY_MIN_ROWS = settings.get("DS_INFCL_PEER_COPY_MIN_ROWS")
 
 _TRANSPORTS = PerGroup()  # process group -> PeerKeys, or None where it could not be set up
 _EPOCHS = 0xFFFFFFFF  # epochs run 1 .. 2**32 - 1 (the driver compares them cyclically, 0: not staged)
-
-
-def settings_text() -> str:
-    """This module's settings, for the fingerprint that ranks exchange with their layout."""
-    return f"{PEER_COPY}|{PEER_COPY_MIN_ROWS}"
 
 
 def _wanted(layout: RingLayout, device: torch.device) -> bool:

@@ -51,9 +51,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds_infcl.loss import peer_copy
+from ds_infcl.loss import peer_copy, ring_fused
 from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
-from ds_infcl.loss.ring_fused import GatherInfoNCEFunction, RingInfoNCEFunction, own_block_early
 from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
 from ds_infcl.ops import resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
@@ -214,13 +213,14 @@ def ring_infonce(
     if labels is not None:
         labels = labels.to(device=query.device, dtype=torch.long)
     query, key = query.contiguous(), key.contiguous()
-    own = own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group), group)
+    own = ring_fused.own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group),
+                                     group)
     layout, staged = _exchange(query, key, labels, symmetric, group, own)
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or scale_t.requires_grad)
-        return GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
-                                           layout, group, own, grad, staged)
-    return RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
-                                     group)
+        return ring_fused.GatherInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size,
+                                                      layout, group, own, grad, staged)
+    return ring_fused.RingInfoNCEFunction.apply(query, key, scale_t, labels, symmetric, backend, tile_size, layout,
+                                                group)

@@ -245,9 +245,11 @@ def test_peer_copy_is_chosen_from_the_layout_and_off_by_default(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     big, small = layout(peer_copy.PEER_COPY_MIN_ROWS), layout(peer_copy.PEER_COPY_MIN_ROWS - 1)
     assert peer_copy.PEER_COPY == "0" and not peer_copy._wanted(big, cuda)
+    fingerprint = algorithm.algorithm_settings()
     monkeypatch.setattr(peer_copy, "PEER_COPY", "1")
     assert peer_copy._wanted(big, cuda) and not peer_copy._wanted(small, cuda) and not peer_copy._wanted(big, cpu)
     assert peer_copy.peer_keys(None, big, cpu) is None and peer_copy.mark(None, cpu) is None
     # no transport set up: nothing staged (the layout's tag stays 0), no collective
     assert peer_copy.transport_of(None, cuda) is None and peer_copy.transport_of(None, cpu) is None
-    assert peer_copy.settings_text() == f"1|{peer_copy.PEER_COPY_MIN_ROWS}"
+    # the setting is one the ranks must share: part of the fingerprint they exchange
+    assert algorithm.algorithm_settings() != fingerprint
