@@ -305,18 +305,28 @@ def must_match() -> Tuple[str, ...]:
     return tuple(s.name for s in SETTINGS if s.ranks == MUST_MATCH)
 
 
-def fingerprint() -> int:
-    """A checksum of the current value of every "must match" setting (``current``), which the ranks
-    compare with their layout exchange: ranks launched with different values stop with an error
-    naming these settings instead of running different collectives. A setting read per call counts
-    as written in the environment (a bad value raises where it is used, on every rank alike; here it
-    must not raise on some ranks only, before the exchange that tells the others)."""
-    def value(name: str) -> Any:
-        s = _BY_NAME[name]
-        return current(name) if s.read == IMPORT else os.environ.get(name, s.default)
+# The "must match" settings as (name, module, attribute, default), module None for those read per
+# call: fingerprint() runs on every distributed loss call, so its lookups are prepared once.
+_MUST_MATCH = tuple((s.name, *(s.home.split(":") if s.read == IMPORT else (None, None)), s.default)
+                    for s in SETTINGS if s.ranks == MUST_MATCH)
 
-    text = "|".join(f"{name}={value(name)!r}" for name in must_match())
-    return zlib.crc32(text.encode())
+
+def fingerprint() -> int:
+    """A checksum of the current value of every "must match" setting (``current``), in the table's
+    order, which the ranks compare with their layout exchange: ranks launched with different values
+    stop with an error naming these settings instead of running different collectives. A setting
+    read per call counts as written in the environment (a bad value raises where it is used, on
+    every rank alike; here it must not raise on some ranks only, before the exchange that tells the
+    others)."""
+    values = []
+    for name, module, attr, default in _MUST_MATCH:
+        if module is None:
+            values.append(os.environ.get(name, default))
+            continue
+        loaded = sys.modules.get(module)
+        value = getattr(loaded, attr, _MISSING) if loaded is not None else _MISSING
+        values.append(get(name) if value is _MISSING else value)
+    return zlib.crc32("|".join(map(str, values)).encode())
 
 
 def _text_of(name: str, value: Any) -> Optional[str]:
