@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ds_infcl import settings
 from ds_infcl.loss import contrastive_loss
 
 
@@ -246,7 +247,7 @@ def main(argv=None) -> None:
         s = torch.tensor(14.3, device=device, requires_grad=True)
         for alg in algorithms:
             if distributed:
-                os.environ["DS_INFCL_ALGORITHM"] = alg
+                settings.put("DS_INFCL_ALGORITHM", alg)
             for _ in range(3):
                 _one_call(q, k, s, args.backend, args.tile_size)
             if cuda:
@@ -273,7 +274,7 @@ def main(argv=None) -> None:
                     print(f"  {n / args.profiled_calls:6.1f}  {name}")
                 print(f"== {alg} b={b}: {args.profiled_calls} calls by CPU time")
                 print(table)
-            os.environ.pop("DS_INFCL_ALGORITHM", None)
+            settings.put("DS_INFCL_ALGORITHM", None)
     if rank == 0:
         print(f"\nworld {dist.get_world_size() if distributed else 1}, {device.type}, {dtype}, c = {args.dim}, "
               f"backend {args.backend}, "

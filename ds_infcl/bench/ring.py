@@ -36,6 +36,7 @@ each implementation ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib
 import os
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla", "openclip")
-# infcl picks its algorithm by size (ds_infcl.loss.ring.choose_algorithm); infcl_ring and
+# infcl picks its algorithm by size (ds_infcl.loss.algorithm.choose_algorithm); infcl_ring and
 # infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
 _PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
 # infcl with the gather path's own block backward pinned in the forward or in the backward
@@ -131,24 +132,23 @@ def _make_step(impl, b, c, dtype, group, args):
         loss_fn = contrastive_loss
     if pinned is not None or own_min is not None:
         impl = "infcl"
-    from ds_infcl.loss import ring as ring_mod
+    from ds_infcl import settings
+    from ds_infcl.loss import algorithm
 
     def step():
         if openclip is not None:
             loss = openclip(q, k, scale)
         else:
-            if pinned is not None:
-                os.environ["DS_INFCL_ALGORITHM"] = pinned
-            saved_min = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS
+            pin = settings.override("DS_INFCL_ALGORITHM", pinned) if pinned is not None else contextlib.nullcontext()
+            saved_min = algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS
             if own_min is not None:  # (read in the forward, which decides for the backward)
-                ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
+                algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
             try:
-                loss = loss_fn(q, k, scale, symmetric=True, impl=impl, backend=args.backend, group=group,
-                               check_finite=False)
+                with pin:
+                    loss = loss_fn(q, k, scale, symmetric=True, impl=impl, backend=args.backend, group=group,
+                                   check_finite=False)
             finally:
-                if pinned is not None:
-                    os.environ.pop("DS_INFCL_ALGORITHM", None)
-                ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = saved_min
+                algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = saved_min
         loss.backward()
 
     return step, "ok"

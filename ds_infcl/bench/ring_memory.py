@@ -24,6 +24,7 @@ import socket
 import tempfile
 import time
 from typing import Dict, List, Sequence
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -42,6 +43,7 @@ def _status_bytes(field: str) -> int:
 
 
 def _point(impl: str, b: int, c: int, tile: int, rank: int) -> Dict:
+    from ds_infcl import settings
     from ds_infcl.loss import contrastive_loss
 
     g = torch.Generator().manual_seed(1000 + rank)
@@ -55,14 +57,10 @@ def _point(impl: str, b: int, c: int, tile: int, rank: int) -> Dict:
         f.write("5")  # reset the peak resident set to the current one
     base = _status_bytes("VmRSS")
     t0 = time.perf_counter()
-    if impl in PINNED:
-        os.environ["DS_INFCL_ALGORITHM"] = PINNED[impl]
-    try:
+    with settings.override("DS_INFCL_ALGORITHM", PINNED.get(impl)):
         loss = contrastive_loss(q, k, scale, symmetric=True, impl="infcl" if impl in PINNED else impl,
                                 backend="torch", tile_size=tile)
         loss.backward()
-    finally:
-        os.environ.pop("DS_INFCL_ALGORITHM", None)
     seconds = time.perf_counter() - t0
     peak = _status_bytes("VmHWM")
     return {"impl": impl, "b": b, "extra_bytes": peak - base, "seconds": seconds, "loss": loss.item()}
@@ -112,9 +110,8 @@ def measure(world: int, batch: Sequence[int], impls: Sequence[str] = IMPLS, c: i
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # inherited by the spawned ranks (glibc reads them at start)
-    try:
+    # inherited by the spawned ranks (glibc reads them at start); the previous values afterwards
+    with mock.patch.dict(os.environ, env):
         with tempfile.TemporaryDirectory() as out_dir:
             ctx = mp.start_processes(_worker, args=(world, port, out_dir, points, c, tile),
                                      nprocs=world, join=False, start_method="spawn")
@@ -126,12 +123,6 @@ def measure(world: int, batch: Sequence[int], impls: Sequence[str] = IMPLS, c: i
                             p.kill()
                     raise TimeoutError(f"memory benchmark did not finish within {timeout} s")
             per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     rows = []
     for i, (impl, b) in enumerate(points):
         pts = [pr[i] for pr in per_rank]

@@ -129,10 +129,11 @@ def main(argv=None) -> int:
         p.error("run under torchrun (one process per GPU), e.g. torchrun --nproc_per_node 2 ds_infcl/bench/ring_trace.py")
 
     import ds_infcl
+    from ds_infcl import settings
     from ds_infcl.bench.ring import MIN_WARMUP_STEPS, warm_up_steps
     from ds_infcl.loss import contrastive_loss
 
-    os.environ["DS_INFCL_ALGORITHM"] = args.algorithm
+    settings.put("DS_INFCL_ALGORITHM", args.algorithm)  # for every call of this run
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:

@@ -16,7 +16,6 @@ registers, spills and how many programs fit an SM. The winners are written into
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -49,6 +48,7 @@ def _kernel_info(kernel) -> str:
 def main(argv=None) -> int:
     import triton
 
+    from ds_infcl import settings
     from ds_infcl.ops import triton_lse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     for kind in args.kinds:
         configs = args.configs or (FWD_CANDIDATES if kind == "fwd" else BWD_CANDIDATES)
         for cfg in configs:
-            os.environ[f"DS_INFCL_TRITON_{kind.upper()}"] = cfg
+            pin = settings.override(f"DS_INFCL_TRITON_{kind.upper()}", cfg)
             if kind == "fwd":
                 fn = lambda: triton_lse.lse_forward_triton(q, k, scale)  # noqa: E731
                 flops = 2 * b * b * c
@@ -88,28 +88,27 @@ def main(argv=None) -> int:
                 fn = backward
                 flops = 6 * b * b * c
             try:
-                ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+                with pin:
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
                 info = _kernel_info(triton_lse._LAST_KERNELS.get(kind))
                 print(f"{kind} {cfg:20s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s{info}", flush=True)
             except Exception as err:  # out of resources etc.
                 print(f"{kind} {cfg:20s} failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
-            del os.environ[f"DS_INFCL_TRITON_{kind.upper()}"]
     if "bwd" in args.kinds:
         for ch in args.chunks:
-            os.environ["DS_INFCL_TRITON_CHUNK"] = ch
-            backward()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out = backward()
-            torch.cuda.synchronize()
-            grads = sum(t.numel() * t.element_size() for t in out)
-            extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
-            del out
-            ms = triton.testing.do_bench(backward, warmup=25, rep=args.rep, return_mode="median")
+            with settings.override("DS_INFCL_TRITON_CHUNK", ch):
+                backward()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                out = backward()
+                torch.cuda.synchronize()
+                grads = sum(t.numel() * t.element_size() for t in out)
+                extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+                del out
+                ms = triton.testing.do_bench(backward, warmup=25, rep=args.rep, return_mode="median")
             print(f"bwd chunk {ch:12s} {ms:8.3f} ms {6 * b * b * c / ms / 1e9:6.0f} TFLOP/s  "
                   f"extra beyond the gradients {extra:.3f} GiB", flush=True)
-            del os.environ["DS_INFCL_TRITON_CHUNK"]
     return 0
 
 

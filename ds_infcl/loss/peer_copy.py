@@ -64,28 +64,23 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ds_infcl.ops.validation import choice_setting, int_setting
+from ds_infcl import settings
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size, process_group
 from ds_infcl.ring.host_exchange import host_hash
 from ds_infcl.ring.layout import RingLayout, all_gather_single
 
-__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of", "settings_text"]
+__all__ = ["PEER_COPY", "PEER_COPY_MIN_ROWS", "PeerKeys", "Ticket", "peer_keys", "mark", "transport_of"]
 
 # 1: the copy engines where every rank of the group is on one host and symmetric memory works;
 # 0 (default): the process group's all-gather, faster at 16k rows per GPU on 2 x H100 (see the
-# module doc). Ranks must agree (ds_infcl.loss.ring.algorithm_settings).
-PEER_COPY = choice_setting("DS_INFCL_PEER_COPY", "0", ("0", "1"))
+# module doc). Ranks must agree (ds_infcl.loss.algorithm.algorithm_settings).
+PEER_COPY = settings.get("DS_INFCL_PEER_COPY")
 # The smallest largest-key-block (rows) that takes the copy engines: below it the call is bound by
 # the host, which the extra stream work would slow.
-PEER_COPY_MIN_ROWS = int_setting("DS_INFCL_PEER_COPY_MIN_ROWS", 16384, minimum=0)
+PEER_COPY_MIN_ROWS = settings.get("DS_INFCL_PEER_COPY_MIN_ROWS")
 
 _TRANSPORTS = PerGroup()  # process group -> PeerKeys, or None where it could not be set up
 _EPOCHS = 0xFFFFFFFF  # epochs run 1 .. 2**32 - 1 (the driver compares them cyclically, 0: not staged)
-
-
-def settings_text() -> str:
-    """This module's settings, for the fingerprint that ranks exchange with their layout."""
-    return f"{PEER_COPY}|{PEER_COPY_MIN_ROWS}"
 
 
 def _wanted(layout: RingLayout, device: torch.device) -> bool:
@@ -297,17 +292,25 @@ def peer_keys(group, layout: RingLayout, device: torch.device) -> Optional[PeerK
         return None
     if group in _TRANSPORTS:
         return _TRANSPORTS.get(group)
-    transport = None
+    transport, why = None, "the ranks of the group are not all on one host"
     if _same_host(group, device):
         try:
             import torch.distributed._symmetric_memory as symm
 
             transport = PeerKeys(group, device, symm)  # the signals' rendezvous and the driver's ops
             transport._fit(1, torch.float32)  # the rendezvous: every rank, or an error on every rank
-        except Exception:  # noqa: BLE001 - no symmetric memory here: the process group's all-gather
+        except Exception as err:  # noqa: BLE001 - no symmetric memory here: the process group's all-gather
             transport = None
+            why = f"symmetric memory failed on this rank ({type(err).__name__}: {str(err).strip()[:300]})"
         if not _agree(transport is not None, group, device):
+            if transport is not None:
+                why = "another rank of the group could not set up symmetric memory (its warning says why)"
             transport = None
+    if transport is None:
+        settings.warn_once("peer_copy", (
+            f"ds_infcl: DS_INFCL_PEER_COPY=1, but the copy-engine transport of the gather path's keys cannot "
+            f"be used: {why}; the process group's all-gather carries the keys instead (set DS_INFCL_PEER_COPY=0 "
+            "to silence)"))
     _TRANSPORTS.set(group, transport)
     return transport
 

@@ -50,23 +50,24 @@ second derivative raises (``refuse_double_backward``) instead of silently missin
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
+from ds_infcl import settings
 from ds_infcl.loss import peer_copy
+from ds_infcl.loss.algorithm import own_backward_early, ring_predicted
 from ds_infcl.loss.gather_blocks import (
     gather_backward_fn, gather_forward_fn, gather_rest_fn, merge_fn, own_backward_fn, own_block_fn, own_share,
     own_sums_weight, positive_weight, rest_backward_fn,
 )
-from ds_infcl.loss.ring import _ring_backward, _ring_forward, refuse_double_backward, ring_predicted
+from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
 from ds_infcl.ops import positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, outputs_intact, run_graphed
-from ds_infcl.ops.validation import int_setting
-from ds_infcl.ring import RingLayout, all_gather_rows, reduce_scatter_rows
+from ds_infcl.ops.lse import refuse_double_backward
+from ds_infcl.ring import RingLayout, agree_on_input_errors, all_gather_rows, reduce_scatter_rows
 from ds_infcl.ring.layout import all_gather_single
 
 __all__ = ["GatherInfoNCEFunction", "RingInfoNCEFunction", "own_block_early"]
@@ -77,7 +78,7 @@ _F32 = torch.float32
 # alternating with it off in one process: 0.03-0.13 ms faster at 16,384 rows per rank (three runs),
 # 0.19 / 0.11 / 0.19 ms slower at 12,288 / 8,192 / 4,096, where the block's GPU time covers less of
 # the exchange than the extra graph launch costs the host.
-EARLY_MIN_LOGITS = int_setting("DS_INFCL_GATHER_EARLY_MIN_LOGITS", 1 << 28, minimum=0)
+EARLY_MIN_LOGITS = settings.get("DS_INFCL_GATHER_EARLY_MIN_LOGITS")
 
 
 class EarlyOwn(NamedTuple):
@@ -150,11 +151,15 @@ def own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, 
     used: one rank, an empty block, fewer than ``EARLY_MIN_LOGITS`` logits in it, or a block the
     gather path is not expected to take (``ring_predicted``, unless ``DS_INFCL_ALGORITHM=gather``
     pins it; ``DS_INFCL_ALGORITHM=ring``); if the layout then picks the ring anyway, the result is
-    dropped. Only local work: ranks may decide differently, their collectives are the same."""
+    dropped. Only local work: ranks may decide differently, their collectives are the same.
+
+    A bad ``DS_INFCL_ALGORITHM`` raises here, before any work, as ``choose_algorithm`` does (on a
+    rank whose value is bad: the layout exchange that follows tells the others, which raise too)."""
+    with agree_on_input_errors(group if world > 1 else None):
+        pinned = settings.get("DS_INFCL_ALGORITHM")
     b, m = query.shape[0], key.shape[0]
     if world < 2 or not b or not m or b * m < EARLY_MIN_LOGITS:
         return None
-    pinned = os.environ.get("DS_INFCL_ALGORITHM", "auto")
     if pinned == "ring" or (pinned != "gather" and ring_predicted(world, b, m, query.shape[1], query.element_size())):
         return None
     marked = peer_copy.mark(group, query.device)
@@ -243,8 +248,6 @@ class GatherInfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size, layout, group, own=None,
                 grad=False, staged=None):
-        from ds_infcl.loss.ring import own_backward_early
-
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]

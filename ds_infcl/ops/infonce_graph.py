@@ -47,16 +47,15 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
+from ds_infcl import settings
 
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
-_MODES = ("auto", "1", "0")
-CUDA_GRAPH = choice_setting("DS_INFCL_CUDA_GRAPH", "auto", _MODES)  # checked at import
-MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", 1 << 28)
-GATHER_MAX_LOGITS = int_setting("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", 1 << 29)
+CUDA_GRAPH = settings.get("DS_INFCL_CUDA_GRAPH")  # checked at import
+MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS")
+GATHER_MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS")
 MAX_GRAPHS = 6
 
 _SEEN: "collections.Counter" = collections.Counter()
@@ -75,7 +74,7 @@ def clear_graphs() -> None:
 def _eligible(tensor: torch.Tensor, backend: str, logits: int, max_logits: Optional[int] = None) -> bool:
     """Whether a call on ``tensor``'s device with ``logits`` (``b m``) may replay from a graph
     (under ``auto``: ``logits <= max_logits``, default ``MAX_LOGITS``)."""
-    mode = check_choice("DS_INFCL_CUDA_GRAPH", CUDA_GRAPH, _MODES)
+    mode = settings.check("DS_INFCL_CUDA_GRAPH", CUDA_GRAPH)
     if mode == "0" or backend != "triton" or not tensor.is_cuda or tensor.device.index != torch.cuda.current_device():
         return False  # (a tensor on another device than the current one: its kernels, eagerly)
     if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
@@ -171,14 +170,21 @@ def _lookup(k, build, what: Callable[[], str]):
     if len(_SEEN) > 1024:  # shapes that keep changing: start counting afresh
         _SEEN.clear()
     _SEEN[k] += 1
-    if _SEEN[k] < 2 or len(_GRAPHS) >= MAX_GRAPHS:
+    if _SEEN[k] < 2:
+        return None
+    if len(_GRAPHS) >= MAX_GRAPHS:
+        settings.warn_once("cuda_graph_cache_full", (
+            f"ds_infcl: {what()} repeats but runs eagerly, not from a CUDA graph: the cache holds its "
+            f"MAX_GRAPHS = {MAX_GRAPHS} graphs already (the first shapes that repeated), so timings of later "
+            "shapes include the host's launch work; clear_graphs() frees the cache, DS_INFCL_CUDA_GRAPH=0 "
+            "turns the graphs off (and silences this)"))
         return None
     try:
         graphed = build()
     except RuntimeError as e:  # e.g. a kernel this CUDA/driver cannot capture: eager for this shape
         _FAILED.add(k)
         warnings.warn(f"ds_infcl: capturing {what()} in a CUDA graph failed ({e}); this shape runs eagerly "
-                      "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", RuntimeWarning)
+                      "(DS_INFCL_CUDA_GRAPH=0 turns the graphs off)", settings.FastPathWarning)
         return None
     _GRAPHS[k] = graphed
     return graphed

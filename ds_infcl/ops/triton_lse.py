@@ -76,7 +76,7 @@ import torch
 import triton
 
 from ds_infcl.ops import gluon_lse_forward, gluon_lse_kernels
-from ds_infcl.ops.validation import flag_setting
+from ds_infcl import settings
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
@@ -116,7 +116,7 @@ MIN_CHUNK_COLS = 4096
 
 def allow_tf32() -> bool:
     """True when fp32 inputs may use TF32 dot products (``DS_INFCL_ALLOW_TF32=1``)."""
-    return flag_setting("DS_INFCL_ALLOW_TF32", False)
+    return settings.get("DS_INFCL_ALLOW_TF32")
 
 
 def _interpreting() -> bool:
@@ -151,11 +151,11 @@ _LAST_KERNELS: dict = {}
 # so one program fits an SM; a second one per SM only queues (measured 27% slower on H200).
 PROGRAMS_PER_SM = 1
 # Round the logits with an explicit mul.rn (no FMA contraction) so forward and backward agree.
-EXACT_MUL = flag_setting("DS_INFCL_TRITON_EXACT_MUL", True)
+EXACT_MUL = settings.get("DS_INFCL_TRITON_EXACT_MUL")
 # One exponential per logit in the backward of both directions (range check, exact fallback).
-ONE_EXP = flag_setting("DS_INFCL_TRITON_ONE_EXP", True)
+ONE_EXP = settings.get("DS_INFCL_TRITON_ONE_EXP")
 # 16-bit inputs: each exponent's argument is one fused multiply-add (``_exp_shifted``).
-FMA_EXP = flag_setting("DS_INFCL_TRITON_FMA_EXP", True)
+FMA_EXP = settings.get("DS_INFCL_TRITON_FMA_EXP")
 
 
 _NUM_SMS: dict = {}
@@ -187,7 +187,7 @@ def _tuning_ints(name: str, text: str, sep: str, form: str, counts: Tuple[int, i
 def _env_config(name: str) -> Optional[_Config]:
     """``DS_INFCL_TRITON_FWD`` / ``_BWD`` = "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]"
     overrides (tuning)."""
-    val = os.environ.get(name)
+    val = settings.get(name)
     if not val:
         return None
     return _Config(*_tuning_ints(name, val, ",", "BM,BN,BK,warps,stages[,maxnreg[,programs_per_sm]]", (5, 7)))
@@ -250,7 +250,7 @@ def _gluon_tiles(env: str, default: str) -> Tuple[Tuple[int, ...], dict]:
     environment variable ``env`` for tuning (``DS_INFCL_GLUON_TILES="BM,BN,BK,stages,consumers[,
     consumer_regs,producer_regs,maxnreg]"``, ``DS_INFCL_GLUON_FWD_TILES="BM,BN,BK,stages,turns[,
     ...]"``)."""
-    text = os.environ.get(env)
+    text = settings.get(env)
     if text:
         form = "BM,BN,BK,stages,{}[,consumer_regs,producer_regs,maxnreg]".format(
             "turns" if env.endswith("FWD_TILES") else "consumers")
@@ -275,7 +275,7 @@ def _gluon_build_errors() -> tuple:
 def _gluon_failed(err: Exception, kernel: str) -> None:
     """Record (and say, once) that the Gluon ``kernel`` cannot be built here: its Triton
     counterpart runs from then on, in this process; with ``DS_INFCL_GLUON=1`` re-raise instead."""
-    if os.environ.get("DS_INFCL_GLUON", "auto") == "1":
+    if settings.get("DS_INFCL_GLUON") == "1":
         raise err
     first = (str(err).strip().splitlines() or [""])[-1][:200]
     _GLUON_FAILED[kernel] = f"{type(err).__name__}: {first}"
@@ -284,17 +284,16 @@ def _gluon_failed(err: Exception, kernel: str) -> None:
         f"ds_infcl: the Gluon {kernel} kernel could not be built with Triton {triton.__version__} "
         f"({_GLUON_FAILED[kernel]}); {instead} instead, for the rest of this process "
         "(DS_INFCL_GLUON=0 skips the attempt, DS_INFCL_GLUON=1 makes it an error)",
-        RuntimeWarning, stacklevel=3)
+        settings.FastPathWarning, stacklevel=3)
 
 
 def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward") -> bool:
     """Whether the Gluon ``kernel`` (``gluon_lse_kernels``: the backward's ``G``, or the
     forward's statistics) runs: ``DS_INFCL_GLUON=auto`` (default) on a Hopper GPU for 16-bit
     inputs whose rows are 16-byte aligned (TMA), with Gluon in the installed Triton; ``0`` never;
-    ``1`` requires it (an error names what is missing)."""
-    mode = os.environ.get("DS_INFCL_GLUON", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"DS_INFCL_GLUON must be 'auto', '0' or '1', got {mode!r}")
+    ``1`` requires it (an error names what is missing). Under ``auto`` on a Hopper GPU whose Triton
+    has no usable Gluon, 16-bit inputs get a ``FastPathWarning`` that says so, once per process."""
+    mode = settings.get("DS_INFCL_GLUON")
     if mode == "0":
         return False
     why = None
@@ -303,6 +302,9 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward")
     elif not gluon_lse_kernels.AVAILABLE:
         why = (f"this Triton ({triton.__version__}) has no usable Gluon Hopper API "
                f"({gluon_lse_kernels.UNAVAILABLE_WHY})")
+        if mode == "auto" and _on_hopper(query) and _fma_exp(query):  # (16-bit inputs: Gluon's)
+            settings.warn_once("gluon_unavailable", f"ds_infcl: the Gluon kernels are not used on this Hopper GPU: "
+                               f"{why}; the Triton kernels run instead (set DS_INFCL_GLUON=0 to silence)")
     elif query.device.type != "cuda" or _interpreting():
         why = "the inputs are not on a CUDA GPU (or TRITON_INTERPRET=1)"
     elif torch.cuda.get_device_capability(query.device)[0] != 9:
@@ -314,6 +316,12 @@ def _use_gluon(query: torch.Tensor, key: torch.Tensor, kernel: str = "backward")
     if why is not None and mode == "1":
         raise RuntimeError(f"DS_INFCL_GLUON=1, but the Gluon {kernel} cannot run: {why}")
     return why is None
+
+
+def _on_hopper(query: torch.Tensor) -> bool:
+    """Whether ``query`` is on a Hopper GPU (compiled kernels, not the interpreter)."""
+    return (query.device.type == "cuda" and not _interpreting()
+            and torch.cuda.get_device_capability(query.device)[0] == 9)
 
 
 def _fma_exp(query: torch.Tensor) -> bool:
@@ -584,7 +592,7 @@ def _chunks(align: int) -> Tuple[int, int, bool]:
     overrides the module constants, for tuning: ``given``), rounded up to multiples of ``align``:
     a block must start where a forward tile starts, so that the recomputed logits are
     bit-identical to the forward's (the same tile position runs the same dot-product order)."""
-    env = os.environ.get("DS_INFCL_TRITON_CHUNK")
+    env = settings.get("DS_INFCL_TRITON_CHUNK")
     r, c = _tuning_ints("DS_INFCL_TRITON_CHUNK", env.lower(), "x", "RxC", (2, 2)) if env else (CHUNK_ROWS, CHUNK_COLS)
     return triton.cdiv(r, align) * align, triton.cdiv(c, align) * align, bool(env)
 

@@ -7,13 +7,11 @@ local check result so that a bad input on one rank raises on every rank instead 
 
 from __future__ import annotations
 
-import os
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size",
-           "int_setting", "check_choice", "choice_setting", "flag_setting"]
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -207,43 +205,3 @@ def check_tile_size(tile_size) -> None:
             f"tile_size must be a positive integer (the tile edge of the torch backend) or None for the "
             f"device default, got {tile_size!r}"
         )
-
-
-def int_setting(name: str, default: int, minimum: int = 1) -> int:
-    """The integer environment setting ``name`` (``default`` when unset), read where a module is
-    imported so that a bad value stops the process before any work, with a message naming it."""
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {kind}, got {text!r}")
-    return value
-
-
-def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else a ``ValueError`` naming the setting ``name`` and
-    what it takes (also for a module attribute set after the import, where the setting is read
-    again at call time)."""
-    if value not in choices:
-        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
-    return value
-
-
-def choice_setting(name: str, default: str, choices: Sequence[str]) -> str:
-    """The environment setting ``name`` (``default`` when unset), one of ``choices``; read where a
-    module is imported, so that a bad value stops the process before any work."""
-    return check_choice(name, os.environ.get(name, default), choices)
-
-
-def flag_setting(name: str, default: bool) -> bool:
-    """The on/off environment setting ``name``: ``"1"`` or ``"0"`` (``default`` when unset); any
-    other value raises, naming it, rather than silently meaning off."""
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    if text not in ("0", "1"):
-        raise ValueError(f"{name} must be '1' (on) or '0' (off), got {text!r}")
-    return text == "1"

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_infcl import settings
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size
 
 __all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "group_timeout_s", "host_hash", "release_destroyed_groups",
@@ -61,28 +62,10 @@ _STATES = PerGroup()  # process group -> GroupState
 _NAMES: set = set()  # files this process created whose names are not removed yet
 
 
-def _setting() -> str:
-    value = os.environ.get("DS_INFCL_LAYOUT_SHM", "auto")
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"DS_INFCL_LAYOUT_SHM must be auto, 0 or 1, got {value!r}")
-    return value
-
-
-def _timeout() -> float:
-    raw = os.environ.get("DS_INFCL_LAYOUT_SHM_TIMEOUT", "1800")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"DS_INFCL_LAYOUT_SHM_TIMEOUT must be a number of seconds > 0, got {raw!r}")
-    return value
-
-
 # Read at import: a bad value stops the process before any collective. Ranks may differ (the
 # decision comes from gathered values, see ``GroupState``).
-MODE = _setting()
-TIMEOUT_S = _timeout()
+MODE = settings.get("DS_INFCL_LAYOUT_SHM")
+TIMEOUT_S = settings.get("DS_INFCL_LAYOUT_SHM_TIMEOUT")
 
 
 def _check(row: np.ndarray) -> int:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ds_infcl.ring.groups import global_rank, group_rank, group_size, resolve_group
 from ds_infcl.ring.host_exchange import state_for
+from ds_infcl.settings import must_match
 
 __all__ = [
     "RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS",
@@ -114,9 +115,8 @@ def _check_table(table, protocol: str) -> None:
             "(their own error says why); the loss stops on every rank"
         )
     fields = ("feature dim", "dtype", "device type", "loss path", "flags",
-              "algorithm settings (the DS_INFCL_ALGORITHM / DS_INFCL_GATHER_MAX_* / "
-              "DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS / DS_INFCL_RING_OVERLAP* / DS_INFCL_PEER_COPY* "
-              "environment variables)")
+              f"algorithm settings (the environment variables {', '.join(must_match())}, "
+              "which ds_infcl.settings marks \"must match\")")
     for pos, name in zip(range(2, 8), fields):
         if len({row[pos] for row in table}) > 1:
             listing = "; ".join(_describe_row(i, row) for i, row in enumerate(table))
@@ -214,9 +214,9 @@ def exchange_layout(
 
     Collective over ``group`` (no communication with one rank). ``flags`` is a small integer of
     options all ranks must share (e.g. ``compute_col``); ``settings`` a fingerprint of process
-    settings that steer the algorithm and must agree too (``ds_infcl.loss.ring``: its
-    ``DS_INFCL_*`` environment variables; ranks that chose different algorithms would wait on each
-    other's collectives). ``explicit_labels`` may differ between ranks: the layout's ``diagonal``
+    settings that steer the algorithm and must agree too (``ds_infcl.loss.algorithm``: the
+    ``DS_INFCL_*`` settings marked "must match" in ``ds_infcl.settings``; ranks that chose
+    different algorithms would wait on each other's collectives). ``explicit_labels`` may differ between ranks: the layout's ``diagonal``
     says whether no rank passed labels. ``staged`` is passed through unchecked, each rank's in
     the layout's ``staged`` (a loss path's per-rank tag, e.g. that its keys already wait in a
     peer-readable buffer: ``ds_infcl.loss.peer_copy``). ``between`` runs once the exchange is

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 
 from ds_infcl.data import read_manifest
 from ds_infcl.data.digits import read_digits_info, write_digits_shards
+from ds_infcl import settings
 from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.base import checking
 
@@ -54,7 +55,7 @@ def ensure_digits_shards(data_dir: str, seed: int = 0) -> Dict[str, Any]:
 def builtin_digits_dir() -> str:
     """Where ``builtin:digits`` lives: ``$DS_INFCL_DIGITS``, else ``data/digits`` (relative to the
     working directory, as the demo writes it)."""
-    return os.environ.get("DS_INFCL_DIGITS") or os.path.join("data", "digits")
+    return settings.get("DS_INFCL_DIGITS") or os.path.join("data", "digits")
 
 
 def _manifest_shards(manifest: Dict[str, Any], path: str) -> None:

@@ -36,6 +36,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ds_infcl import settings
+
 __all__ = [
     "tag_for_step", "save_checkpoint", "load_checkpoint", "resolve_resume", "rng_state", "set_rng",
     "read_record", "check_world_size", "RECORD",
@@ -118,7 +120,7 @@ def save_checkpoint(
     path = os.path.join(ckpt_dir, tag, f"rng_rank{rank:05d}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(rng_state(device), path)
-    if rank == 0 and os.environ.get(_KILL_IN_CHECKPOINT) == str(step):
+    if rank == 0 and settings.get(_KILL_IN_CHECKPOINT) == str(step):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

@@ -30,14 +30,14 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
     q = torch.nn.functional.normalize(torch.randn(sum(sizes), 256, generator=g), dim=1).to(device, dtype)
     k = torch.nn.functional.normalize(torch.randn(sum(key_sizes), 256, generator=g), dim=1).to(device, dtype)
     qs, ks = sum(sizes[:rank]), sum(key_sizes[:rank])
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm_mod
     import ds_infcl.loss.ring_fused as fused
 
     # "gather-early": the gather path with its own block computed before the layout exchange;
     # "gather-late": with its own block's backward run in the backward (else in the forward).
     early_min, fused.EARLY_MIN_LOGITS = fused.EARLY_MIN_LOGITS, (1 if algorithm == "gather-early" else 1 << 62)
-    own_min = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS
-    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 1 << 62 if algorithm == "gather-late" else 0
+    own_min = algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS
+    algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 1 << 62 if algorithm == "gather-late" else 0
     os.environ["DS_INFCL_ALGORITHM"] = algorithm.split("-")[0]
     out = {}
     for mode in ("none", "arange"):
@@ -51,7 +51,7 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
         dist.all_reduce(ds)
         out[mode] = (loss.detach(), ql.grad / world, kl.grad / world, ds / world)
     os.environ.pop("DS_INFCL_ALGORITHM")
-    fused.EARLY_MIN_LOGITS, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = early_min, own_min
+    fused.EARLY_MIN_LOGITS, algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = early_min, own_min
     glabels = torch.cat([torch.arange(b) + sum(key_sizes[:r]) for r, b in enumerate(sizes)]).to(device)
     qr, kr = q.double().requires_grad_(True), k.double().requires_grad_(True)
     sr = torch.tensor(14.3, dtype=torch.float64, device=device, requires_grad=True)
@@ -71,11 +71,11 @@ def run(rank, world, device, dtype, symmetric, keys_per_query, algorithm, seed):
 def graph_check(rank, world, device, early, own_early):
     """(largest relative difference graphed vs eager, bitwise equal, graphs kept, replays) of three
     calls per label mode of the gather path, with new inputs each call."""
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm_mod
     import ds_infcl.loss.ring_fused as fused
     from ds_infcl.ops import infonce_graph as ig
 
-    own_min, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0 if own_early else 1 << 62
+    own_min, algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0 if own_early else 1 << 62
 
     b = 700 + 1111 * rank
     os.environ["DS_INFCL_ALGORITHM"] = "gather"
@@ -104,7 +104,7 @@ def graph_check(rank, world, device, early, own_early):
     ig.clear_graphs()
     ig.CUDA_GRAPH = "auto"
     fused.EARLY_MIN_LOGITS, ig.MAX_GRAPHS = early_min, max_graphs
-    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
+    algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = own_min
     os.environ.pop("DS_INFCL_ALGORITHM")
 
     def rel(a, b):
@@ -133,12 +133,12 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
     from ds_infcl.loss import peer_copy
     from ds_infcl.ops import infonce_graph as ig
 
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm_mod
     import ds_infcl.loss.ring_fused as fused
 
     os.environ["DS_INFCL_ALGORITHM"] = "gather"
     ig.MAX_GRAPHS, max_graphs = 16, ig.MAX_GRAPHS
-    own_min, ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0
+    own_min, algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, 0
     fused.EARLY_MIN_LOGITS, early_min = (1 if early else 1 << 62), fused.EARLY_MIN_LOGITS
     peer_mode, peer_min = peer_copy.PEER_COPY, peer_copy.PEER_COPY_MIN_ROWS
     peer_copy.PEER_COPY_MIN_ROWS = 0
@@ -172,7 +172,7 @@ def interleaved_check(rank, world, device, early, modes=(("0", "0"), ("auto", "0
             results[mode] += [loss1.detach(), q1.grad, k1.grad, loss2.detach(), q2.grad, k2.grad]
     ig.clear_graphs()
     ig.CUDA_GRAPH, ig.MAX_GRAPHS = "auto", max_graphs
-    ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, fused.EARLY_MIN_LOGITS = own_min, early_min
+    algorithm_mod.GATHER_OWN_BACKWARD_MIN_LOGITS, fused.EARLY_MIN_LOGITS = own_min, early_min
     peer_copy.PEER_COPY, peer_copy.PEER_COPY_MIN_ROWS = peer_mode, peer_min
     os.environ.pop("DS_INFCL_ALGORITHM")
     first, second = (results[mode] for mode in modes)

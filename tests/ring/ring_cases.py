@@ -8,7 +8,7 @@ import time
 import torch
 
 IMPLS = ("infcl", "vanilla", "local", "disco")
-# The infcl implementation by either of its algorithms (ds_infcl.loss.ring.choose_algorithm picks
+# The infcl implementation by either of its algorithms (ds_infcl.loss.algorithm.choose_algorithm picks
 # by size; these tiny cases would all take "gather", so both are pinned here).
 ALGORITHMS = ("ring", "gather")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -67,13 +67,14 @@ def _graph_names(fn):
 def _worker(rank, world, cases):
     import torch.distributed as dist
 
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm
+    import ds_infcl.loss.ring_steps as steps
     import ds_infcl.loss.ring_fused as fused_mod
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
     early_blocks = record_calls(fused_mod, "own_block_early", lambda own: own is not None)
-    max_bytes, max_local = ring_mod.GATHER_MAX_BYTES, ring_mod.GATHER_MAX_LOCAL
+    max_bytes, max_local = algorithm.GATHER_MAX_BYTES, algorithm.GATHER_MAX_LOCAL
     predicted = fused_mod.ring_predicted
     all_reduces = record_calls(dist, "all_reduce")
     out = []
@@ -81,11 +82,11 @@ def _worker(rank, world, cases):
         q_all, k_all, key_sizes = _data(case, seed)
         q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
         res = {}
-        ring_mod.RING_OVERLAP = case["overlap"]
+        steps.RING_OVERLAP = case["overlap"]
         fused_mod.EARLY_MIN_LOGITS = 1 if case["early"] else 1 << 62
-        ring_mod.GATHER_MAX_BYTES = 0 if case["pin"] == "auto" else max_bytes
-        ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
-        ring_mod.GATHER_MAX_LOCAL = 0 if case["algorithm"] == "gather*" else max_local
+        algorithm.GATHER_MAX_BYTES = 0 if case["pin"] == "auto" else max_bytes
+        algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
+        algorithm.GATHER_MAX_LOCAL = 0 if case["algorithm"] == "gather*" else max_local
         fused_mod.ring_predicted = (lambda *_: False) if case["pin"] == "auto" else predicted
         for mode in ("none", "arange"):
             os.environ["DS_INFCL_ALGORITHM"] = case["pin"]
@@ -154,7 +155,8 @@ def test_diagonal_shortcut_matches_general_path_and_reference():
 def _upstream_worker(rank, world, cases):
     """Per case: the gradients of the loss backpropagated with this rank's upstream gradient
     ``g[rank]``, the gather path with its own block's backward in the forward and in the backward."""
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm
+    import ds_infcl.loss.ring_steps as steps
     from ds_infcl.loss import contrastive_loss
 
     os.environ["DS_INFCL_ALGORITHM"] = "gather"
@@ -164,7 +166,7 @@ def _upstream_worker(rank, world, cases):
         q0, k0 = sum(case["sizes"][:rank]), sum(key_sizes[:rank])
         res = {}
         for own_early in (True, False):
-            ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if own_early else 1 << 62
+            algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if own_early else 1 << 62
             q = q_all[q0:q0 + case["sizes"][rank]].clone().requires_grad_(True)
             k = k_all[k0:k0 + key_sizes[rank]].clone().requires_grad_(True)
             s = torch.tensor(SCALE, requires_grad=True)

@@ -79,14 +79,14 @@ def _local(case, seed, rank):
 
 
 def _worker(rank, world, cases):
-    import ds_infcl.loss.ring as ring_mod
+    import ds_infcl.loss.algorithm as algorithm
     from ds_infcl.loss import contrastive_loss
     from ds_infcl.loss.ring import last_algorithm
 
     out = []
     for seed, case in enumerate(cases):
         os.environ["DS_INFCL_ALGORITHM"] = case["algorithm"]
-        ring_mod.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
+        algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = 0 if case["own_early"] else 1 << 62
         q, k, labels = _local(case, seed, rank)
         q, k = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
         s = torch.nn.Parameter(torch.full((1,), SCALE))  # a one-element parameter, as a module's
@@ -265,6 +265,30 @@ def test_ranks_with_different_algorithm_settings_stop_with_one_error():
     results = spawn(_settings_worker, 2, None, timeout=90)
     for rank, msg in enumerate(results):
         assert "disagree on the algorithm settings" in msg and "DS_INFCL_ALGORITHM" in msg, (rank, msg)
+
+
+def _bad_setting_worker(rank, world, payload):
+    from ds_infcl.loss import contrastive_loss
+
+    # Rank 1 has a DS_INFCL_ALGORITHM that names no algorithm: it raises before the layout exchange
+    # (ring_fused.own_block_early, as choose_algorithm would), and tells rank 0, which raises too.
+    if rank == 1:
+        os.environ["DS_INFCL_ALGORITHM"] = "fast"
+    else:
+        os.environ.pop("DS_INFCL_ALGORITHM", None)
+    q = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
+    try:
+        contrastive_loss(q, k, torch.tensor(SCALE), symmetric=True, impl="infcl", backend="torch")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_bad_algorithm_setting_on_one_rank_stops_every_rank():
+    rank0, rank1 = spawn(_bad_setting_worker, 2, None, timeout=90)
+    assert rank1 == "DS_INFCL_ALGORITHM must be auto, ring or gather, got 'fast'", rank1
+    assert "rank(s) [1] of the process group rejected their local inputs" in rank0, rank0
 
 
 def _staged_worker(rank, world, payload):

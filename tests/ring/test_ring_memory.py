@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def test_ring_memory_linear_baselines_quadratic():
-    # infcl picks the gather path at these small sizes (ds_infcl.loss.ring.choose_algorithm): each
+    # infcl picks the gather path at these small sizes (ds_infcl.loss.algorithm.choose_algorithm): each
     # algorithm is pinned and held to its own bound.
     world, c, tile = 4, 64, 128
     rows = measure(world=world, batch=[256, 512], impls=("infcl_ring", "infcl_gather", "local", "vanilla"),

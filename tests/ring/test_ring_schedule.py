@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-import ds_infcl.loss.ring as ring_mod
+import ds_infcl.loss.algorithm as algorithm
+import ds_infcl.loss.ring_steps as steps
 from ds_infcl.ring import RingLayout
 
 WORLD, RANK = 3, 1
@@ -39,10 +40,10 @@ def recorder(monkeypatch):
         events.append(("compute", key.shape[0], kw["exclude_positive"]))
         return torch.zeros(query.shape[0], C), torch.zeros(key.shape[0], C), torch.zeros(())
 
-    monkeypatch.setattr(ring_mod, "post_ring_shift", post)
-    monkeypatch.setattr(ring_mod, "wait_all", wait)
-    monkeypatch.setattr(ring_mod, "lse_forward", forward)
-    monkeypatch.setattr(ring_mod, "lse_backward", backward)
+    monkeypatch.setattr(steps, "post_ring_shift", post)
+    monkeypatch.setattr(steps, "wait_all", wait)
+    monkeypatch.setattr(steps, "lse_forward", forward)
+    monkeypatch.setattr(steps, "lse_backward", backward)
     return events
 
 
@@ -70,13 +71,13 @@ def _order(expected, overlap):
 
 @pytest.fixture(params=[True, False], ids=["overlap", "serial"])
 def overlap(request, monkeypatch):
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "1" if request.param else "0")
+    monkeypatch.setattr(steps, "RING_OVERLAP", "1" if request.param else "0")
     return request.param
 
 
 def test_forward_schedule(recorder, overlap):
     q, k = _inputs()
-    ring_mod._ring_forward(q, k, 2.0, None, True, True, "torch", None, _layout(), None)
+    steps._ring_forward(q, k, 2.0, None, True, True, "torch", None, _layout(), None)
     bf16, f32 = torch.bfloat16, torch.float32
     owners = [(RANK - t) % WORLD for t in range(WORLD)]  # 1, 0, 2
     expected = [
@@ -99,7 +100,7 @@ def test_forward_schedule(recorder, overlap):
 def test_backward_schedule(recorder, overlap):
     q, k = _inputs()
     row, col = torch.zeros(QUERY_SIZES[RANK]), torch.zeros(KEY_SIZES[RANK])
-    dq, dk, ds = ring_mod._ring_backward(q, k, 2.0, None, False, True, "torch", None, _layout(),
+    dq, dk, ds = steps._ring_backward(q, k, 2.0, None, False, True, "torch", None, _layout(),
                                          None, row, col, torch.ones_like(row), None)
     assert dq.shape == (QUERY_SIZES[RANK], C) and dk.shape == (KEY_SIZES[RANK], C)
     assert dq.dtype == dk.dtype == torch.float32
@@ -123,7 +124,6 @@ def test_backward_schedule(recorder, overlap):
 def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
     """Small per-rank batches take one all-gather and fused single-device calls, large ones the
     ring; DS_INFCL_ALGORITHM pins either (issue 17)."""
-    from ds_infcl.loss import ring as ring_mod
     from ds_infcl.ring import RingLayout
 
     def layout(b, world=2):
@@ -132,56 +132,74 @@ def test_the_algorithm_is_chosen_by_size_and_can_be_pinned(monkeypatch):
 
     monkeypatch.delenv("DS_INFCL_ALGORITHM", raising=False)
     # 2 ranks: gather up to GATHER_MAX_LOCAL rows per rank, the ring above (measured on H100s).
-    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL), 512, 2) == "gather"
-    assert ring_mod.choose_algorithm(layout(ring_mod.GATHER_MAX_LOCAL + 1), 512, 2) == "ring"
+    assert algorithm.choose_algorithm(layout(algorithm.GATHER_MAX_LOCAL), 512, 2) == "gather"
+    assert algorithm.choose_algorithm(layout(algorithm.GATHER_MAX_LOCAL + 1), 512, 2) == "ring"
     # More ranks: gather while the gathered keys and their float32 gradient fit the byte cap.
     def fits(b, world):
-        return world * b * 512 * (2 + 4) <= ring_mod.GATHER_MAX_BYTES
+        return world * b * 512 * (2 + 4) <= algorithm.GATHER_MAX_BYTES
 
-    assert ring_mod.gather_bytes(layout(1000, world=4), 512, 2) == 4 * 1000 * 512 * 6
-    assert ring_mod.GATHER_MAX_LOCAL == 65536 and fits(65536, 2)  # (the cap on 2 ranks is the rows')
+    assert algorithm.gather_bytes(layout(1000, world=4), 512, 2) == 4 * 1000 * 512 * 6
+    assert algorithm.GATHER_MAX_LOCAL == 65536 and fits(65536, 2)  # (the cap on 2 ranks is the rows')
     big = 32768
     assert fits(big, 4) and not fits(big, 8)  # the default cap sits between these
-    assert ring_mod.choose_algorithm(layout(big, world=4), 512, 2) == "gather"
-    assert ring_mod.choose_algorithm(layout(big, world=8), 512, 2) == "ring"
+    assert algorithm.choose_algorithm(layout(big, world=4), 512, 2) == "gather"
+    assert algorithm.choose_algorithm(layout(big, world=8), 512, 2) == "ring"
     # One more row past the cap at 128 ranks: the ring, even for small per-rank batches.
-    rows = ring_mod.GATHER_MAX_BYTES // (128 * 512 * 6) + 1
-    assert rows <= ring_mod.GATHER_MAX_LOCAL
-    assert ring_mod.choose_algorithm(layout(rows - 1, world=128), 512, 2) == "gather"
-    assert ring_mod.choose_algorithm(layout(rows, world=128), 512, 2) == "ring"
+    rows = algorithm.GATHER_MAX_BYTES // (128 * 512 * 6) + 1
+    assert rows <= algorithm.GATHER_MAX_LOCAL
+    assert algorithm.choose_algorithm(layout(rows - 1, world=128), 512, 2) == "gather"
+    assert algorithm.choose_algorithm(layout(rows, world=128), 512, 2) == "ring"
     # The early own block's guess from a rank's own sizes (as if every rank held as many keys)
     # agrees with the choice wherever the sizes are equal, the byte cap included.
     for b, world in ((65536, 2), (65537, 2), (32768, 4), (32768, 8), (rows - 1, 128), (rows, 128)):
-        predicted = ring_mod.ring_predicted(world, b, b, 512, 2)
-        assert predicted == (ring_mod.choose_algorithm(layout(b, world=world), 512, 2) == "ring"), (b, world)
+        predicted = algorithm.ring_predicted(world, b, b, 512, 2)
+        assert predicted == (algorithm.choose_algorithm(layout(b, world=world), 512, 2) == "ring"), (b, world)
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
-    assert ring_mod.choose_algorithm(layout(16), 512, 2) == "ring"
+    assert algorithm.choose_algorithm(layout(16), 512, 2) == "ring"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
-    assert ring_mod.choose_algorithm(layout(10**6), 512, 2) == "gather"
+    assert algorithm.choose_algorithm(layout(10**6), 512, 2) == "gather"
     monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
     with pytest.raises(ValueError, match="DS_INFCL_ALGORITHM"):
-        ring_mod.choose_algorithm(layout(16), 512, 2)
+        algorithm.choose_algorithm(layout(16), 512, 2)
+
+
+def test_the_fused_path_rejects_a_bad_algorithm_setting(monkeypatch):
+    """ring_fused (the gather path's early own block, before the layout exchange) reads
+    DS_INFCL_ALGORITHM as choose_algorithm does: a value that names no algorithm is an error, not
+    "auto"."""
+    from ds_infcl.loss import ring_fused
+
+    q, k, s = torch.randn(4, C), torch.randn(6, C), torch.tensor(2.0)
+    monkeypatch.setattr(ring_fused, "EARLY_MIN_LOGITS", 1)
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "fast")
+    for world in (1, 2):
+        with pytest.raises(ValueError, match="^DS_INFCL_ALGORITHM must be auto, ring or gather, got 'fast'$"):
+            ring_fused.own_block_early(q, k, s, None, True, "torch", None, world)
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "ring")
+    assert ring_fused.own_block_early(q, k, s, None, True, "torch", None, 2) is None
+    monkeypatch.setenv("DS_INFCL_ALGORITHM", "gather")
+    assert ring_fused.own_block_early(q, k, s, None, True, "torch", None, 2) is not None
 
 
 def test_the_exchange_overlaps_small_blocks_only(monkeypatch):
     """auto: the hop's exchange runs beside the block's kernels up to RING_OVERLAP_MAX_ROWS rows in
     the largest block, after them above (measured, see overlap_exchange); 1 / 0 pin it."""
-    n = ring_mod.RING_OVERLAP_MAX_ROWS
+    n = steps.RING_OVERLAP_MAX_ROWS
 
     def layout(q, k):
         return RingLayout(world=2, rank=0, query_sizes=q, key_sizes=k, feature_dim=8, send_to=1, recv_from=1)
 
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "auto")
-    assert ring_mod.overlap_exchange(layout((n, 1), (n, n)))
-    assert not ring_mod.overlap_exchange(layout((1, 1), (1, n + 1)))  # another rank's block decides
-    assert not ring_mod.overlap_exchange(layout((n + 1, 0), (0, 0)))
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "1")
-    assert ring_mod.overlap_exchange(layout((10**6,) * 2, (10**6,) * 2))
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0")
-    assert not ring_mod.overlap_exchange(layout((1, 1), (1, 1)))
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "yes")
+    monkeypatch.setattr(steps, "RING_OVERLAP", "auto")
+    assert steps.overlap_exchange(layout((n, 1), (n, n)))
+    assert not steps.overlap_exchange(layout((1, 1), (1, n + 1)))  # another rank's block decides
+    assert not steps.overlap_exchange(layout((n + 1, 0), (0, 0)))
+    monkeypatch.setattr(steps, "RING_OVERLAP", "1")
+    assert steps.overlap_exchange(layout((10**6,) * 2, (10**6,) * 2))
+    monkeypatch.setattr(steps, "RING_OVERLAP", "0")
+    assert not steps.overlap_exchange(layout((1, 1), (1, 1)))
+    monkeypatch.setattr(steps, "RING_OVERLAP", "yes")
     with pytest.raises(ValueError, match="DS_INFCL_RING_OVERLAP"):
-        ring_mod.overlap_exchange(layout((1, 1), (1, 1)))
+        steps.overlap_exchange(layout((1, 1), (1, 1)))
 
 
 def test_a_bad_overlap_setting_stops_the_import(monkeypatch):
@@ -195,9 +213,9 @@ def test_a_bad_overlap_setting_stops_the_import(monkeypatch):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got 'yes'" in proc.stderr
-    fingerprint = ring_mod.algorithm_settings()
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0" if ring_mod.RING_OVERLAP != "0" else "1")
-    assert ring_mod.algorithm_settings() != fingerprint
+    fingerprint = algorithm.algorithm_settings()
+    monkeypatch.setattr(steps, "RING_OVERLAP", "0" if steps.RING_OVERLAP != "0" else "1")
+    assert algorithm.algorithm_settings() != fingerprint
 
 
 def test_a_bad_overlap_value_set_after_the_import_stops_the_call(monkeypatch):
@@ -205,11 +223,11 @@ def test_a_bad_overlap_value_set_after_the_import_stops_the_call(monkeypatch):
     it is read, with the same message."""
     layout = RingLayout(world=2, rank=0, query_sizes=(4, 4), key_sizes=(4, 4), feature_dim=8, send_to=1,
                         recv_from=1)
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "on")
+    monkeypatch.setattr(steps, "RING_OVERLAP", "on")
     with pytest.raises(ValueError, match="DS_INFCL_RING_OVERLAP must be auto, 1 or 0, got 'on'"):
-        ring_mod.overlap_exchange(layout)
-    monkeypatch.setattr(ring_mod, "RING_OVERLAP", "0")
-    assert ring_mod.overlap_exchange(layout) is False
+        steps.overlap_exchange(layout)
+    monkeypatch.setattr(steps, "RING_OVERLAP", "0")
+    assert steps.overlap_exchange(layout) is False
 
 
 def test_peer_copy_is_chosen_from_the_layout_and_off_by_default(monkeypatch):
@@ -227,9 +245,11 @@ def test_peer_copy_is_chosen_from_the_layout_and_off_by_default(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     big, small = layout(peer_copy.PEER_COPY_MIN_ROWS), layout(peer_copy.PEER_COPY_MIN_ROWS - 1)
     assert peer_copy.PEER_COPY == "0" and not peer_copy._wanted(big, cuda)
+    fingerprint = algorithm.algorithm_settings()
     monkeypatch.setattr(peer_copy, "PEER_COPY", "1")
     assert peer_copy._wanted(big, cuda) and not peer_copy._wanted(small, cuda) and not peer_copy._wanted(big, cpu)
     assert peer_copy.peer_keys(None, big, cpu) is None and peer_copy.mark(None, cpu) is None
     # no transport set up: nothing staged (the layout's tag stays 0), no collective
     assert peer_copy.transport_of(None, cuda) is None and peer_copy.transport_of(None, cpu) is None
-    assert peer_copy.settings_text() == f"1|{peer_copy.PEER_COPY_MIN_ROWS}"
+    # the setting is one the ranks must share: part of the fingerprint they exchange
+    assert algorithm.algorithm_settings() != fingerprint
