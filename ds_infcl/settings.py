@@ -165,7 +165,8 @@ SETTINGS: Tuple[Setting, ...] = (
        "where every rank wants it (decided together at the group's first call)",
        choices=("auto", "0", "1"), home="ds_infcl.ring.host_exchange:MODE"),
     _S("DS_INFCL_LAYOUT_SHM_TIMEOUT", "seconds", 1800.0, IMPORT, MAY_DIFFER, _ALGO,
-       "how long a rank waits for the others' rows in that exchange before it stops with an error naming them",
+       "how long a rank waits for the others' rows in that exchange before it stops with an error naming them "
+       "(or the process group's own timeout, if shorter)",
        home="ds_infcl.ring.host_exchange:TIMEOUT_S", shown="1800"),
     _S("DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS", "int", 1 << 26, IMPORT, MUST_MATCH, _ALGO,
        "the gather path runs its own block's backward in the forward (and sends the other keys' gradient by an "
