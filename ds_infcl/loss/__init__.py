@@ -1,14 +1,19 @@
 """Loss API: the functional ``lse`` op and InfoNCE losses, ``nn.Module`` wrappers, the registry of
-implementations (Inf-CL and the baselines), and SigLIP's sigmoid loss (``siglip_loss``,
-``SigLIPLoss``)."""
+implementations (Inf-CL and the baselines), SigLIP's sigmoid loss (``siglip_loss``,
+``SigLIPLoss``), and the one factory from a name to its module (``build_loss``)."""
 
-# Importing the implementations registers them (``functional``: infcl; ``baselines``: the peers').
+# Importing the implementations registers them (``functional``: infcl; ``baselines``: the peers';
+# ``siglip``, ``fastclip`` and ``retrieval``: their modules).
 from ds_infcl.loss import baselines as _baselines  # noqa: F401
+from ds_infcl.loss import retrieval as _retrieval  # noqa: F401
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
 from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
-from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
+from ds_infcl.loss.factory import build_loss, check_loss
+from ds_infcl.loss.registry import (
+    LossSettings, available_loss_impls, available_loss_modules, get_loss_impl, register_loss_impl, register_loss_module,
+)
 from ds_infcl.loss.siglip import SigLIPLoss, siglip_loss
-from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
+from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss, fastclip_num_samples
 from ds_infcl.ring.groups import group_rank, group_size, resolve_group
 
 __all__ = [
@@ -18,6 +23,11 @@ __all__ = [
     "available_fastclip_losses",
     "build_fastclip_loss",
     "available_loss_impls",
+    "available_loss_modules",
+    "build_loss",
+    "check_loss",
+    "fastclip_num_samples",
+    "LossSettings",
     "clip_loss",
     "compose_infonce",
     "contrastive_loss",
@@ -27,6 +37,7 @@ __all__ = [
     "lse",
     "positive_logits",
     "register_loss_impl",
+    "register_loss_module",
     "resolve_group",
     "SigLIPLoss",
     "siglip_loss",

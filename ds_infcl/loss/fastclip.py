@@ -84,6 +84,7 @@ from torch import nn
 
 from ds_infcl.ops.lse import BACKENDS
 from ds_infcl.ops.validation import check_features
+from ds_infcl.loss.registry import LossSettings, register_loss_module
 from ds_infcl.loss.fastclip_estimators import _optimizer_step, inner_lr, log_eps_plus, log_inner, update_log_u
 from ds_infcl.ring import (
     agree_on_input_errors, all_gather_nograd, comm_device, exchange_layout, global_sum_with_grad,
@@ -95,6 +96,7 @@ __all__ = [
     "FASTCLIP_VERSIONS",
     "available_fastclip_losses",
     "build_fastclip_loss",
+    "fastclip_num_samples",
     "inner_lr",
     "log_inner",
     "update_log_u",
@@ -615,6 +617,48 @@ def build_fastclip_loss(name: str, num_samples: int, **kwargs) -> FastCLIPLoss:
     settings = dict(_NAMES[name])
     settings.update(kwargs)
     return FastCLIPLoss(num_samples, **settings)
+
+
+
+def fastclip_num_samples(settings: LossSettings) -> int:
+    """``num_samples`` of a FastCLIP loss: ``loss.args.num_samples`` checked against the task's
+    ``sample_index_bound()``, or that bound when the config leaves it out.
+
+    Raises:
+        ConfigError: the given value is below what the data's indices need (the message says which
+            value to set), or neither the config nor the task gives one.
+    """
+    from ds_infcl.errors import ConfigError
+
+    given = (settings.config.get("args") or {}).get("num_samples")
+    bound = settings.sample_index_bound() if settings.sample_index_bound is not None else None
+    if given is None:
+        if bound is None:
+            raise ConfigError(
+                f"loss.args.num_samples: loss.impl {settings.impl!r} keeps state per sample index and "
+                f"task {settings.owner!r} cannot tell how many there are; set it "
+                "to one more than the largest global sample index of the training data"
+            )
+        return int(bound)
+    if bound is not None and given < bound:
+        raise ConfigError(
+            f"loss.args.num_samples: {given} is too small for this data: its global sample indices run up to "
+            f"{bound - 1} (they number the whole data set, held-out samples included); set "
+            f"loss.args.num_samples to {bound} or leave it out to take it from the data"
+        )
+    return int(given)
+
+
+def _build_from_settings(settings: LossSettings) -> FastCLIPLoss:
+    """``loss.impl: <FastCLIP name>``: ``build_fastclip_loss`` with ``loss.args``; the task's
+    InfoNCE defaults do not apply."""
+    args = dict(settings.config.get("args") or {})
+    args["num_samples"] = fastclip_num_samples(settings)
+    return build_fastclip_loss(settings.impl, **settings.placement(), **args)
+
+
+for _name in _NAMES:
+    register_loss_module(_name, _build_from_settings, check=fastclip_num_samples)
 
 
 from ds_infcl.loss.fastclip_reference import fastclip_reference  # noqa: E402 (its tests import it from here)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_infcl.loss.functional import contrastive_loss, lse
+from ds_infcl.loss.registry import LossSettings, register_loss_module
 from ds_infcl.ring import (
     agree_on_input_errors,
     all_gather_blocks,
@@ -572,3 +573,20 @@ def keys_and_labels(num_queries: int, num_negatives: int, layout: str = "grouped
 
 
 from ds_infcl.loss.retrieval_reference import retrieval_loss_reference  # noqa: E402 (re-exported: tests import it here)
+
+
+def _build_retrieval_loss(settings: LossSettings) -> RetrievalLoss:
+    """``RetrievalLoss`` from the task's defaults (``scale``, ``symmetric``, ``learnable_scale``,
+    ``mask_false_negatives``, ``matryoshka_normalize``) overridden by the config: ``symmetric``,
+    ``learnable_scale``, ``init_logit_scale`` (``scale = exp(init_logit_scale)``),
+    ``matryoshka_dims`` and ``matryoshka_weights``."""
+    kwargs = dict(settings.defaults)
+    config = settings.config
+    kwargs.update({key: config[key] for key in ("symmetric", "learnable_scale", "matryoshka_dims", "matryoshka_weights")
+                   if key in config})
+    if "init_logit_scale" in config:
+        kwargs["scale"] = math.exp(config["init_logit_scale"])
+    return RetrievalLoss(**settings.placement(), **kwargs)
+
+
+register_loss_module("retrieval", _build_retrieval_loss)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.loss.functional import _as_scale_tensor
+from ds_infcl.loss.registry import register_loss_module
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
 from ds_infcl.ops.validation import check_inputs, check_tile_size
@@ -320,3 +321,16 @@ class SigLIPLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, max_logit_scale={self.max_logit_scale:.4f}"
+
+
+def _build_siglip_loss(settings) -> SigLIPLoss:
+    """``loss.impl: siglip``: SigLIP's own defaults (scale 10, bias -10); a task's InfoNCE defaults
+    do not apply. The config's ``learnable_scale`` fixes or frees both scale and bias."""
+    config = settings.config
+    kwargs = {key: config[key] for key in ("init_logit_scale", "max_logit_scale", "init_logit_bias") if key in config}
+    if "learnable_scale" in config:
+        kwargs["learnable"] = config["learnable_scale"]
+    return SigLIPLoss(**settings.placement(), **kwargs)
+
+
+register_loss_module("siglip", _build_siglip_loss)

@@ -8,16 +8,21 @@ retrieval, the synthetic task of ``ds_infcl.tasks.synthetic``). The trainer know
   ``encode_key(inputs) -> [m, c]``. The trainer wraps it with the ``ContrastiveLoss`` module (which
   owns the logit scale) into one model for ``deepspeed.initialize``.
 - ``loss_defaults()`` gives the task's loss settings (symmetric, scale init, learnable); the run
-  config's ``loss`` section overrides them; ``build_loss`` may return another loss module (the
-  retrieval loss with false-negative masking) that keeps the same contract.
+  config's ``loss`` section overrides them; ``build_loss`` hands both to the one loss factory,
+  ``ds_infcl.loss.build_loss(loss.impl, ...)``, where every implementation registered how its
+  module is built (the retrieval task asks it for its loss with false-negative masking).
 - ``batches(...)`` yields one ``Batch`` per optimizer step: this rank's share of the global batch,
   on CPU, every example tagged with its *global sample index* (FastCLIP's per-sample state and
   exact resumption both need it). Batches must be a deterministic function of the step and the
   rank so that ``start_step`` resumes exactly; streaming tasks may instead keep a position in
   ``state_dict``/``load_state_dict`` (saved with every checkpoint).
-- ``evaluate(encoder, step)`` (optional) runs on every rank (ZeRO-3 forwards are collective) and
+- ``evaluate(encoder, step)`` runs on every rank (ZeRO-3 forwards are collective) and
   returns metrics; ``encoder.encode_query(inputs)`` / ``encoder.encode_key(inputs)`` run the
   trained towers without gradients.
+- ``Task`` gives defaults the engine calls unconditionally: ``evaluate`` (no metrics),
+  ``state_dict`` / ``load_state_dict``, ``data_report``, ``model_flops_per_sample`` (``None``: the
+  engine counts them), ``save_pretrained`` with ``can_export`` (no export), ``sample_index_bound``.
+  Tasks subclass it; ``get_task`` wraps an object that only has the methods (``as_task``).
 
 Register a task with ``@register_task("name")`` on a factory ``factory(**args) -> Task``; the run
 config selects it with ``task.name`` and passes ``task.args``; ``task.module`` names a module to
@@ -46,6 +51,8 @@ __all__ = [
     "check_only",
     "checking",
     "fastclip_num_samples",
+    "as_task",
+    "loss_config_settings",
 ]
 
 
@@ -126,12 +133,20 @@ class Batch:
 
 
 class Task:
-    """Base class of trainable tasks; see the module docstring for the contract."""
+    """Base class of trainable tasks; see the module docstring for the contract.
+
+    Subclasses implement ``build_towers`` and ``batches``; every other method has a default that
+    the engine relies on (it calls each of them unconditionally)."""
 
     name: str = "task"
 
     def build_towers(self) -> nn.Module:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.build_towers() is not implemented")
+
+    def batches(
+        self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
+    ) -> Iterator[Batch]:
+        raise NotImplementedError(f"{type(self).__name__}.batches() is not implemented")
 
     def loss_defaults(self) -> Dict[str, Any]:
         """Default ``ContrastiveLoss`` keyword arguments (``symmetric``, ``init_logit_scale``,
@@ -139,51 +154,27 @@ class Task:
         return {"symmetric": True}
 
     def build_loss(self, loss_config) -> nn.Module:
-        """The loss module: ``ContrastiveLoss`` from ``loss_defaults()`` overridden by the run
-        config's ``loss`` section (``loss_config``, a ``LossConfig``). Override to use another
+        """The loss module ``ds_infcl.loss.build_loss`` makes for ``loss_config.impl`` (the run
+        config's ``loss`` section, a ``LossConfig``) from ``loss_defaults()`` overridden by the
+        config. Override to check the config against the task (then call this) or to use another
         module; the trainer needs ``forward(query, key, labels, **batch.loss_inputs)`` returning
         the global loss, a ``group`` attribute (set to the engine's data-parallel group) and the
         scale, if learnable, as the ``nn.Parameter`` ``logit_scale``."""
-        from ds_infcl.loss import ContrastiveLoss, available_fastclip_losses
+        from ds_infcl.loss import build_loss as build_loss_module
 
-        if loss_config.impl == "siglip":
-            # SigLIP's own defaults (scale 10, bias -10); the task's InfoNCE defaults do not apply.
-            from ds_infcl.loss import SigLIPLoss
+        return build_loss_module(loss_config.impl, defaults=self.loss_defaults(), **self._loss_context(),
+                                 **loss_config_settings(loss_config))
 
-            kwargs = {key: getattr(loss_config, key) for key in ("init_logit_scale", "max_logit_scale")
-                      if getattr(loss_config, key) is not None}
-            if loss_config.init_logit_bias is not None:
-                kwargs["init_logit_bias"] = loss_config.init_logit_bias
-            if loss_config.learnable_scale is not None:
-                kwargs["learnable"] = loss_config.learnable_scale
-            return SigLIPLoss(backend=loss_config.backend, tile_size=loss_config.tile_size, **kwargs)
-        if loss_config.impl in available_fastclip_losses():
-            from ds_infcl.loss import build_fastclip_loss
+    def check_loss(self, loss_config) -> None:
+        """What ``build_loss`` would refuse in the config, found without building the loss (``--check``):
+        FastCLIP's ``loss.args.num_samples`` against ``sample_index_bound()``."""
+        from ds_infcl.loss import check_loss
 
-            args = dict(loss_config.args)
-            args["num_samples"] = fastclip_num_samples(self, loss_config)
-            return build_fastclip_loss(
-                loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **args
-            )
-        if getattr(loss_config, "matryoshka_dims", None):
-            from ds_infcl.errors import ConfigError
+        check_loss(loss_config.impl, defaults=self.loss_defaults(), **self._loss_context(),
+                   **loss_config_settings(loss_config))
 
-            raise ConfigError(f"loss.matryoshka_dims: task {getattr(self, 'name', type(self).__name__)!r} does not "
-                              "support it (the retrieval task does)")
-        defaults = getattr(self, "loss_defaults", None)
-        kwargs = dict(defaults()) if callable(defaults) else {}
-        for key in ("symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale"):
-            value = getattr(loss_config, key)
-            if value is not None:
-                kwargs[key] = value
-        return ContrastiveLoss(
-            impl=loss_config.impl, backend=loss_config.backend, tile_size=loss_config.tile_size, **kwargs
-        )
-
-    def batches(
-        self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
-    ) -> Iterator[Batch]:
-        raise NotImplementedError
+    def _loss_context(self) -> Dict[str, Any]:
+        return {"sample_index_bound": self.sample_index_bound, "owner": self.name}
 
     def sample_index_bound(self) -> Optional[int]:
         """One more than the largest global sample index ``batches`` can yield (the size of the
@@ -191,13 +182,66 @@ class Task:
         return None
 
     def evaluate(self, encoder, step: int) -> Dict[str, float]:
+        """Metrics of the trained towers (run on every rank); none by default."""
         return {}
 
     def state_dict(self) -> Dict[str, Any]:
+        """Extra data position saved in every checkpoint (the step is saved anyway)."""
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
+
+    def data_report(self) -> Dict[str, int]:
+        """This rank's data counts (samples skipped, examples unused, ...), summed over the ranks
+        into the run's summary."""
+        return {}
+
+    def model_flops_per_sample(self) -> Optional[float]:
+        """Training FLOPs of one example, or ``None``: the engine counts them on the first batch."""
+        return None
+
+    def can_export(self) -> bool:
+        """Whether ``save_pretrained`` writes a model folder (a subclass that overrides it does)."""
+        return type(self).save_pretrained is not Task.save_pretrained
+
+    def save_pretrained(self, folder: str, towers: nn.Module, logit_scale: torch.Tensor, **extra) -> None:
+        """Write the trained model to ``folder`` (``checkpoint.export_final``); no export by default."""
+        return None
+
+
+def loss_config_settings(loss_config) -> Dict[str, Any]:
+    """The run config's ``loss`` section as ``ds_infcl.loss.build_loss`` keyword arguments (fields a
+    config object does not have count as unset)."""
+    keys = ("backend", "tile_size", "symmetric", "init_logit_scale", "max_logit_scale", "learnable_scale",
+            "init_logit_bias", "matryoshka_dims", "matryoshka_weights", "args")
+    return {key: getattr(loss_config, key, None) for key in keys}
+
+
+class _DuckTask(Task):
+    """A task object that does not subclass ``Task`` (the documented plug-in contract allows it),
+    given the ``Task`` interface: its own methods where it has them, ``Task``'s defaults elsewhere."""
+
+    _FORWARDED = ("build_towers", "batches", "loss_defaults", "build_loss", "check_loss", "sample_index_bound",
+                  "evaluate", "state_dict", "load_state_dict", "data_report", "model_flops_per_sample",
+                  "save_pretrained")
+
+    def __init__(self, task: Any):
+        self.task = task
+        self.name = getattr(task, "name", type(task).__name__)
+        for method in self._FORWARDED:
+            own = getattr(task, method, None)
+            if callable(own):
+                setattr(self, method, own)
+        self._exports = callable(getattr(task, "save_pretrained", None))
+
+    def can_export(self) -> bool:
+        return self._exports
+
+    def __getattr__(self, name: str):  # the wrapped task's other attributes (tests, demos)
+        if name == "task":
+            raise AttributeError(name)
+        return getattr(self.task, name)
 
 
 _CHECKING = [False]
@@ -261,7 +305,8 @@ def _import_attr(path: str, key: str):
 
 def get_task(name: str, args: Optional[Dict[str, Any]] = None, module: Optional[str] = None) -> Task:
     """Build a task: a registered name, a built-in adapter name (``clip``), or an import path
-    ``"package.module:ClassOrFactory"`` (anything with the methods of ``Task``).
+    ``"package.module:ClassOrFactory"`` (a ``Task`` subclass, or an object with its
+    ``build_towers`` and ``batches`` methods: wrapped, ``Task``'s defaults for the rest).
 
     Raises:
         ConfigError: the module does not import, the name is unknown (valid names listed), or the
@@ -289,10 +334,26 @@ def get_task(name: str, args: Optional[Dict[str, Any]] = None, module: Optional[
         task = factory(**(args or {}))
     except TypeError as e:
         raise ConfigError(f"task.args: {e}") from None
+    return as_task(task, name)
+
+
+def as_task(task: Any, name: str = "task") -> Task:
+    """``task`` as a ``Task``: itself if it subclasses ``Task``, else wrapped (an object with the
+    methods of the plug-in contract; those it lacks get ``Task``'s defaults).
+
+    Raises:
+        ConfigError: ``task`` has no ``build_towers()`` or no ``batches()``; the message says to
+            subclass ``ds_infcl.tasks.base.Task``.
+    """
+    from ds_infcl.errors import ConfigError
+
+    if isinstance(task, Task):
+        return task
     for method in ("build_towers", "batches"):
         if not callable(getattr(task, method, None)):
-            raise ConfigError(f"task.name: {name!r} built a {type(task).__name__} without a {method}() method")
-    return task
+            raise ConfigError(f"task.name: {name!r} built a {type(task).__name__} without a {method}() method; "
+                              "subclass ds_infcl.tasks.base.Task and implement build_towers() and batches()")
+    return _DuckTask(task)
 
 
 def as_batch(item: Any) -> Batch:
@@ -306,41 +367,23 @@ def as_batch(item: Any) -> Batch:
 
 
 def fastclip_num_samples(task: Any, loss_config) -> int:
-    """``num_samples`` of a FastCLIP loss: ``loss.args.num_samples`` checked against the task's
-    ``sample_index_bound()``, or that bound when the config leaves it out.
+    """``num_samples`` of a FastCLIP loss for ``task`` (``ds_infcl.loss.fastclip_num_samples``:
+    ``loss.args.num_samples`` checked against the task's ``sample_index_bound()``, or that bound).
 
     Raises:
-        ConfigError: the given value is below what the data's indices need (the message says which
-            value to set), or neither the config nor the task gives one.
+        ConfigError: the value is too small for the data (the message names the value to set), or
+            neither the config nor the task gives one.
     """
-    from ds_infcl.errors import ConfigError
+    from ds_infcl.loss import fastclip_num_samples as num_samples
+    from ds_infcl.loss.factory import loss_settings
 
-    given = loss_config.args.get("num_samples")
-    bound_fn = getattr(task, "sample_index_bound", None)
-    bound = bound_fn() if callable(bound_fn) else None
-    if given is None:
-        if bound is None:
-            raise ConfigError(
-                f"loss.args.num_samples: loss.impl {loss_config.impl!r} keeps state per sample index and "
-                f"task {getattr(task, 'name', type(task).__name__)!r} cannot tell how many there are; set it "
-                "to one more than the largest global sample index of the training data"
-            )
-        return int(bound)
-    if bound is not None and given < bound:
-        raise ConfigError(
-            f"loss.args.num_samples: {given} is too small for this data: its global sample indices run up to "
-            f"{bound - 1} (they number the whole data set, held-out samples included); set "
-            f"loss.args.num_samples to {bound} or leave it out to take it from the data"
-        )
-    return int(given)
+    task = as_task(task)
+    return num_samples(loss_settings(loss_config.impl, **task._loss_context(), **loss_config_settings(loss_config)))
 
 
 def build_loss(task: Any, loss_config) -> nn.Module:
-    """``task.build_loss(loss_config)`` if the task has it, else ``Task.build_loss`` (a
-    ``ContrastiveLoss`` from the task's ``loss_defaults()`` and the run config)."""
-    if callable(getattr(task, "build_loss", None)):
-        return task.build_loss(loss_config)
-    return Task.build_loss(task, loss_config)
+    """``task.build_loss(loss_config)`` (``Task.build_loss`` unless the task overrides it)."""
+    return as_task(task).build_loss(loss_config)
 
 
 def available_tasks() -> Tuple[str, ...]:

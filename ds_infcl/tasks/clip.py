@@ -44,6 +44,7 @@ from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder, gpu_dec
 from ds_infcl.data.rebatch import Rebatch, ThreadedPrefetch
 from ds_infcl.data.transforms import check_crop_scale
 from ds_infcl.errors import ConfigError
+from ds_infcl.tasks.base import Task
 from ds_infcl.tasks.clip_data import (
     BUILTIN_DATA,
     checked_shard_list,
@@ -81,7 +82,7 @@ def caption_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.
     return (tokens * powers).sum(dim=1)
 
 
-class ClipTask:
+class ClipTask(Task):
     """CLIP on image + caption shards (the built-in digits by default, by name).
 
     Args:
@@ -279,12 +280,16 @@ class ClipTask:
 
     def build_loss(self, loss_config):
         """The trainer's default loss (``Task.build_loss``); ``positives: caption`` needs SigLIP."""
-        from ds_infcl.tasks.base import Task
-
         if self.positives == "caption" and loss_config.impl != "siglip":
             raise ValueError(f"task.args.positives: 'caption' needs loss.impl 'siglip' (got {loss_config.impl!r}): "
                              "the InfoNCE losses take one positive per query")
-        return Task.build_loss(self, loss_config)
+        return super().build_loss(loss_config)
+
+    def check_loss(self, loss_config) -> None:
+        """``Task.check_loss``; under ``--check`` before the built-in digits exist there is no data
+        to size FastCLIP's tables from yet, so nothing is checked."""
+        if not self._unbuilt:
+            super().check_loss(loss_config)
 
     def _transform(self, train: bool) -> ImageTransform:
         towers = self._towers if self._towers is not None else None

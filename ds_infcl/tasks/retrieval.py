@@ -29,6 +29,8 @@ import torch
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
 from ds_infcl.errors import ConfigError
+from ds_infcl.loss import build_loss
+from ds_infcl.tasks.base import Task, loss_config_settings
 from ds_infcl.data.retrieval import (
     GlobalNoDuplicatesBatchSampler,
     MalformedTally,
@@ -55,7 +57,7 @@ def _check_hard_negatives(examples: Sequence[RetrievalExample], num_negatives: i
         )
 
 
-class RetrievalTask:
+class RetrievalTask(Task):
     """Dense retrieval fine-tuning on the trainer.
 
     Args:
@@ -210,25 +212,18 @@ class RetrievalTask:
         return self._towers
 
     def loss_defaults(self) -> Dict[str, Any]:
-        return {"symmetric": False, "learnable_scale": False}
+        """``RetrievalLoss`` defaults: one direction, a fixed scale (``task.args.scale``), masking."""
+        return {"symmetric": False, "learnable_scale": False, "scale": self.scale,
+                "mask_false_negatives": self.mask_false_negatives}
 
     def build_loss(self, loss_config) -> RetrievalLoss:
-        """``RetrievalLoss`` with the run config's ``loss`` section applied (``symmetric``,
-        ``learnable_scale``, ``init_logit_scale``, ``backend``, ``tile_size``, ``matryoshka_dims``
-        and ``matryoshka_weights``)."""
-        import math
-
+        """``RetrievalLoss`` (the loss factory's ``retrieval`` module) with the run config's ``loss``
+        section applied (``symmetric``, ``learnable_scale``, ``init_logit_scale``, ``backend``,
+        ``tile_size``, ``matryoshka_dims`` and ``matryoshka_weights``, checked against the encoders)."""
         if getattr(loss_config, "impl", "infcl") != "infcl":
             raise ValueError(f"loss.impl: the retrieval task uses the Inf-CL loss, got {loss_config.impl!r}")
-        scale = self.scale
-        if getattr(loss_config, "init_logit_scale", None) is not None:
-            scale = math.exp(loss_config.init_logit_scale)
-        return RetrievalLoss(
-            scale=scale, symmetric=bool(loss_config.symmetric) if loss_config.symmetric is not None else False,
-            learnable_scale=bool(loss_config.learnable_scale), mask_false_negatives=self.mask_false_negatives,
-            backend=loss_config.backend, tile_size=loss_config.tile_size,
-            **self._matryoshka_args(loss_config),
-        )
+        defaults = dict(self.loss_defaults(), **self._matryoshka_args(loss_config))  # checked, with the encoders' normalize
+        return build_loss("retrieval", defaults=defaults, owner=self.name, **loss_config_settings(loss_config))
 
     def _matryoshka_args(self, loss_config) -> Dict[str, Any]:
         dims = getattr(loss_config, "matryoshka_dims", None)

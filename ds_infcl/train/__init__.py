@@ -5,7 +5,10 @@
 - ``model``: towers + ``ContrastiveLoss`` in one module for ``deepspeed.initialize``.
 - ``steps``: the uncached step and GradCache on DeepSpeed micro-steps.
 - ``optim``: the DeepSpeed JSON's optimizer on every accelerator (CPU substitutes).
-- ``checkpoint``, ``metrics``, ``loop``, ``cli``: the run itself (``python -m ds_infcl.train``).
+- ``trainer``: the run as the ``Trainer`` class (``train_step``, ``maybe_eval``,
+  ``maybe_checkpoint``, ``close``); ``loop.train`` is its one-call form.
+- ``checkpoint``, ``metrics``, ``export``: the components the trainer owns (checkpoints, logs and
+  FLOP counts, the final parameters and model export); ``cli``: ``python -m ds_infcl.train``.
 - ``dist``: process group set-up, timeouts, clean exits.
 
 This package is the engine: it runs any task through the interface of ``ds_infcl.tasks.base``

@@ -76,8 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             from ds_infcl.train.optim import prepare_optimizer
-            from ds_infcl.loss import available_fastclip_losses
-            from ds_infcl.tasks.base import check_only, fastclip_num_samples, get_task
+            from ds_infcl.tasks.base import check_only, get_task
             from ds_infcl.train.dist import accelerator_name
             from ds_infcl.train.preflight import check_at_load
 
@@ -87,8 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           source=args.deepspeed_config)
             with check_only():  # validates what the run would read; writes nothing
                 task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
-                if cfg.loss.impl in available_fastclip_losses() and not getattr(task, "_unbuilt", False):
-                    fastclip_num_samples(task, cfg.loss)
+                task.check_loss(cfg.loss)  # what building the loss would refuse (FastCLIP's num_samples)
             print(f"ok: world {world}, global batch {layout.global_batch_size} = micro {layout.micro_batch_size}"
                   f" x accumulation {layout.num_chunks} x {world}")
             return 0

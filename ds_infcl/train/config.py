@@ -354,47 +354,12 @@ def _fastclip_names() -> tuple:
 
 
 def _validate(cfg: RunConfig) -> None:
-    from ds_infcl.loss import available_loss_impls
-    from ds_infcl.ops import BACKENDS
-
-    fastclip = _fastclip_names()
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
             "logging.tensorboard: true needs the tensorboard package (pip install tensorboard, or "
             "the ds_infcl[train] extra); install it or set logging.tensorboard false"
         )
-    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip + ("siglip",))
-    if cfg.loss.impl == "siglip" and cfg.loss.symmetric is not None:
-        raise ConfigError("loss.symmetric: not used by loss.impl 'siglip' (its pairwise loss has no direction)")
-    if cfg.loss.impl != "siglip" and cfg.loss.init_logit_bias is not None:
-        raise ConfigError(f"loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is {cfg.loss.impl!r}")
-    if cfg.loss.impl in fastclip:
-        n = cfg.loss.args.get("num_samples")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ConfigError(f"loss.args.num_samples: must be an integer >= 1, got {n!r}")
-    elif cfg.loss.args:
-        raise ConfigError(
-            f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"
-        )
-    dims, weights = cfg.loss.matryoshka_dims, cfg.loss.matryoshka_weights
-    if dims is not None:
-        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-            raise ConfigError(f"loss.matryoshka_dims: a non-empty list of positive integers, got {dims!r}")
-        if cfg.loss.impl != "infcl":
-            raise ConfigError(f"loss.matryoshka_dims: used with loss.impl 'infcl' (the retrieval task); loss.impl is {cfg.loss.impl!r}")
-    if weights is not None and (dims is None or len(weights) != len(dims)):
-        raise ConfigError(f"loss.matryoshka_weights: one weight per entry of loss.matryoshka_dims, got {weights!r} for {dims!r}")
-    _allowed("loss.backend", cfg.loss.backend, BACKENDS)
-    _positive("loss.tile_size", cfg.loss.tile_size)
-    if (
-        cfg.loss.init_logit_scale is not None
-        and cfg.loss.max_logit_scale is not None
-        and cfg.loss.init_logit_scale > cfg.loss.max_logit_scale
-    ):
-        raise ConfigError(
-            f"loss.init_logit_scale: {cfg.loss.init_logit_scale} exceeds loss.max_logit_scale "
-            f"{cfg.loss.max_logit_scale}"
-        )
+    _validate_loss(cfg)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _allowed("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16", "float16"))
     _positive("batch.global_batch_size", cfg.batch.global_batch_size)
@@ -435,6 +400,46 @@ def _validate(cfg: RunConfig) -> None:
     if not cfg.output_dir:
         raise ConfigError("output_dir: must be a non-empty path")
 
+
+
+def _validate_loss(cfg: RunConfig) -> None:
+    """The ``loss`` section: a known ``impl`` and only the keys it uses."""
+    from ds_infcl.loss import available_loss_impls
+    from ds_infcl.ops import BACKENDS
+
+    fastclip = _fastclip_names()
+    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip + ("siglip",))
+    if cfg.loss.impl == "siglip" and cfg.loss.symmetric is not None:
+        raise ConfigError("loss.symmetric: not used by loss.impl 'siglip' (its pairwise loss has no direction)")
+    if cfg.loss.impl != "siglip" and cfg.loss.init_logit_bias is not None:
+        raise ConfigError(f"loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is {cfg.loss.impl!r}")
+    if cfg.loss.impl in fastclip:
+        n = cfg.loss.args.get("num_samples")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"loss.args.num_samples: must be an integer >= 1, got {n!r}")
+    elif cfg.loss.args:
+        raise ConfigError(
+            f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"
+        )
+    dims, weights = cfg.loss.matryoshka_dims, cfg.loss.matryoshka_weights
+    if dims is not None:
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ConfigError(f"loss.matryoshka_dims: a non-empty list of positive integers, got {dims!r}")
+        if cfg.loss.impl != "infcl":
+            raise ConfigError(f"loss.matryoshka_dims: used with loss.impl 'infcl' (the retrieval task); loss.impl is {cfg.loss.impl!r}")
+    if weights is not None and (dims is None or len(weights) != len(dims)):
+        raise ConfigError(f"loss.matryoshka_weights: one weight per entry of loss.matryoshka_dims, got {weights!r} for {dims!r}")
+    _allowed("loss.backend", cfg.loss.backend, BACKENDS)
+    _positive("loss.tile_size", cfg.loss.tile_size)
+    if (
+        cfg.loss.init_logit_scale is not None
+        and cfg.loss.max_logit_scale is not None
+        and cfg.loss.init_logit_scale > cfg.loss.max_logit_scale
+    ):
+        raise ConfigError(
+            f"loss.init_logit_scale: {cfg.loss.init_logit_scale} exceeds loss.max_logit_scale "
+            f"{cfg.loss.max_logit_scale}"
+        )
 
 def _parse_value(text: str) -> Any:
     try:

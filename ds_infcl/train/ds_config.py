@@ -158,29 +158,41 @@ def resolve_deepspeed_config(
         if isinstance(have, bool) or not isinstance(have, int):
             raise ConfigError(f"{source}: {key} must be an integer or \"auto\", got {have!r}")
         if have != want[key]:
-            why = {
-                "train_batch_size": f"batch.global_batch_size is {B}",
-                "train_micro_batch_size_per_gpu": (
-                    f"with GradCache the micro batch is batch.chunk_size = {micro}"
-                    if cfg.batch.grad_cache
-                    else f"without GradCache the micro batch is the local batch "
-                    f"{B} / {world_size} ranks = {micro}"
-                ),
-                "gradient_accumulation_steps": (
-                    f"with GradCache it is the number of chunks, {local} / {cfg.batch.chunk_size} = {gas}"
-                    if cfg.batch.grad_cache
-                    else "without GradCache it must be 1: the contrastive loss of separate "
-                    "micro-batches is not the loss of the global batch (set batch.grad_cache)"
-                ),
-            }[key]
+            why = _why_batch_key(key, cfg, world_size, local, micro, gas)
             raise ConfigError(
                 f"{source}: {key} = {have} contradicts the run config ({why}); set it to "
                 f"{want[key]} or \"auto\""
             )
+    _fill_schedule(out, cfg, source)
+    layout = BatchLayout(B, world_size, local, micro, gas)
+    return out, layout
+
+
+def _why_batch_key(key: str, cfg: RunConfig, world_size: int, local: int, micro: int, gas: int) -> str:
+    """Why the run config implies its value of the DeepSpeed batch field ``key``."""
+    B = cfg.batch.global_batch_size
+    return {
+        "train_batch_size": f"batch.global_batch_size is {B}",
+        "train_micro_batch_size_per_gpu": (
+            f"with GradCache the micro batch is batch.chunk_size = {micro}"
+            if cfg.batch.grad_cache
+            else f"without GradCache the micro batch is the local batch "
+            f"{B} / {world_size} ranks = {micro}"
+        ),
+        "gradient_accumulation_steps": (
+            f"with GradCache it is the number of chunks, {local} / {cfg.batch.chunk_size} = {gas}"
+            if cfg.batch.grad_cache
+            else "without GradCache it must be 1: the contrastive loss of separate "
+            "micro-batches is not the loss of the global batch (set batch.grad_cache)"
+        ),
+    }[key]
+
+
+def _fill_schedule(out: Dict[str, Any], cfg: RunConfig, source: str) -> None:
+    """``"auto"`` schedule lengths follow ``train.num_steps`` (warm-up: 5% of the steps)."""
     sched = out.get("scheduler")
     if isinstance(sched, dict) and isinstance(sched.get("params"), dict):
         params = sched["params"]
-        # "auto" schedule lengths follow train.num_steps (warm-up: 5% of the steps).
         for key, value in (
             ("total_num_steps", cfg.train.num_steps),
             ("warmup_num_steps", max(1, cfg.train.num_steps // 20)),
@@ -190,5 +202,3 @@ def resolve_deepspeed_config(
         bad = sorted(k for k, v in params.items() if v == "auto")
         if bad:
             raise ConfigError(f"{source}: scheduler.params.{bad[0]} = \"auto\" is not supported; give a number")
-    layout = BatchLayout(B, world_size, local, micro, gas)
-    return out, layout

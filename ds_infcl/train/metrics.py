@@ -15,15 +15,19 @@ events use the sample count).
 from __future__ import annotations
 
 import csv
+import math
 import numbers
 import os
 import resource
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib", "peak_tflops", "PEAK_TFLOPS"]
+__all__ = [
+    "TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib", "peak_tflops", "PEAK_TFLOPS",
+    "model_flops_per_sample", "tflops_per_gpu", "sum_over_ranks",
+]
 
 TRAIN_COLUMNS = [
     "step", "loss", "logit_scale", "scale", "lr", "samples_per_s", "step_time_s", "peak_mem_mib", "samples",
@@ -194,3 +198,51 @@ def format_metrics(metrics: dict) -> str:
         return f"{key}={value:.4f}"
 
     return ", ".join(fmt(k, v) for k, v in sorted(metrics.items()))
+
+
+def model_flops_per_sample(engine, batch, device: torch.device, log: Callable[[str], None]) -> Optional[float]:
+    """Training FLOPs of one example (its query and its keys through the towers): 3 x the forward
+    FLOPs that ``torch.utils.flop_counter`` counts on a one-example slice of the first batch (the
+    usual model-FLOPs definition: forward and a backward of twice its cost; GradCache's extra
+    forward and recomputation are not model FLOPs). Every rank calls it (ZeRO-3 forwards are
+    collective); the RNG state is restored, so the run is the same as without it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ds_infcl.train.model import eager_blocks
+    from ds_infcl.train.steps import get_rng_state, move_batch, set_rng_state
+
+    if len(batch) == 0:
+        return None
+    state = get_rng_state(device)
+    try:
+        one = move_batch(batch.slice(0, 1), device)
+        # eager_blocks: under the counter's dispatch mode dynamo would mark compiled blocks skipped
+        with torch.no_grad(), eager_blocks(), FlopCounterMode(display=False) as counter:
+            engine("encode", one.query_inputs, one.key_inputs)
+        return 3.0 * counter.get_total_flops() or None
+    except Exception as e:  # noqa: BLE001 -- a tower the counter cannot trace costs only the MFU column
+        log(f"model FLOPs not counted ({type(e).__name__}: {e}); no MFU in the logs")
+        return None
+    finally:
+        set_rng_state(state, device)
+
+
+def tflops_per_gpu(flops_per_sample: Optional[float], samples_per_s: float, world: int) -> Optional[float]:
+    if not flops_per_sample or not math.isfinite(samples_per_s):
+        return None
+    return flops_per_sample * samples_per_s / world / 1e12
+
+
+def sum_over_ranks(mine: Dict[str, int]) -> Dict[str, int]:
+    """Counts of this rank (the task's ``data_report()``: samples skipped, examples unused, ...)
+    summed over the ranks; every rank gets the same dict (a collective: all ranks call it)."""
+    import deepspeed.comm as dist
+
+    mine = {k: int(v) for k, v in mine.items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    total: Dict[str, int] = {}
+    for counts in gathered:
+        for k, v in (counts or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total

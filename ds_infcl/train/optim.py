@@ -30,7 +30,24 @@ from ds_infcl.train.config import ConfigError
 __all__ = ["Lion", "Lamb", "prepare_optimizer"]
 
 
-class Lion(torch.optim.Optimizer):
+class _PerParameterOptimizer(torch.optim.Optimizer):
+    """The one step both CPU substitutes share: every parameter that has a gradient is updated by
+    ``_update(p, state, group)`` (its own maths), without gradients, after the optional closure."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, self.state[p], group)
+        return loss
+
+    def _update(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class Lion(_PerParameterOptimizer):
     """Lion (Chen et al., 2023), as DeepSpeed's ``FusedLion``: ``c = b1*m + (1-b1)*g``,
     ``p <- p*(1 - lr*wd) - lr*sign(c)``, ``m <- b2*m + (1-b2)*g``."""
 
@@ -39,28 +56,20 @@ class Lion(torch.optim.Optimizer):
             raise ValueError(f"Lion: lr must be > 0, got {lr}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = m.mul(b1).add_(g, alpha=1 - b1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                m.mul_(b2).add_(g, alpha=1 - b2)
-        return loss
+    def _update(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        g = p.grad
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p)
+        m = state["exp_avg"]
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        update = m.mul(b1).add_(g, alpha=1 - b1).sign_()
+        p.add_(update, alpha=-group["lr"])
+        m.mul_(b2).add_(g, alpha=1 - b2)
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(_PerParameterOptimizer):
     """LAMB (You et al., 2020), as DeepSpeed's ``FusedLamb``: the Adam direction
     ``u = m_hat / (sqrt(v_hat) + eps) + wd * p`` scaled by the trust ratio
     ``clamp(||p|| / ||u||, min_coeff, max_coeff)`` (1 where a norm is 0)."""
@@ -84,42 +93,34 @@ class Lamb(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if group["bias_correction"]:
-                    m_hat = m / (1 - b1 ** state["step"])
-                    v_hat = v / (1 - b2 ** state["step"])
-                else:
-                    m_hat, v_hat = m, v
-                if group["eps_inside_sqrt"]:
-                    u = m_hat / (v_hat + group["eps"]).sqrt()
-                else:
-                    u = m_hat / (v_hat.sqrt() + group["eps"])
-                if group["weight_decay"]:
-                    u.add_(p.float(), alpha=group["weight_decay"])
-                w_norm, u_norm = p.float().norm(), u.norm()
-                if w_norm > 0 and u_norm > 0:
-                    ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
-                else:
-                    ratio = torch.ones((), device=p.device)
-                p.add_((u * ratio).to(p.dtype), alpha=-group["lr"])
-        return loss
+    def _update(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        g = p.grad.float()
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if group["bias_correction"]:
+            m_hat = m / (1 - b1 ** state["step"])
+            v_hat = v / (1 - b2 ** state["step"])
+        else:
+            m_hat, v_hat = m, v
+        if group["eps_inside_sqrt"]:
+            u = m_hat / (v_hat + group["eps"]).sqrt()
+        else:
+            u = m_hat / (v_hat.sqrt() + group["eps"])
+        if group["weight_decay"]:
+            u.add_(p.float(), alpha=group["weight_decay"])
+        w_norm, u_norm = p.float().norm(), u.norm()
+        if w_norm > 0 and u_norm > 0:
+            ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
+        else:
+            ratio = torch.ones((), device=p.device)
+        p.add_((u * ratio).to(p.dtype), alpha=-group["lr"])
 
 
 # Names DeepSpeed builds itself (lower case) and the ones ZeRO accepts without the opt-in flag.

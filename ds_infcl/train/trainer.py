@@ -1,0 +1,482 @@
+"""The training run as a class: ``Trainer(cfg, ds_config)`` builds, ``fit()`` runs the steps,
+``close()`` releases everything however the run ends.
+
+    with Trainer(cfg, ds_config) as trainer:
+        summary = trainer.fit()
+
+- ``__init__``: the process group, the checks of ``train/preflight.py``, the DeepSpeed config and
+  optimizer, the task, the model, the engine, a resume, the metrics logger, the data stream.
+- ``train_step()``: one optimizer step (``forward_backward_step`` runs the step of
+  ``train/steps.py``: uncached or GradCache), timed, checked for a finite loss and logged.
+- ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules.
+- ``close()``: the progress watchdog stopped, the data stream closed, the metrics logger closed,
+  the engine destroyed. ``__exit__`` runs it, so a step that raises leaves no watchdog thread
+  behind in a caller that catches the error (a benchmark loop, a notebook, the tests).
+
+Checkpoints (``train/checkpoint.py``), metrics (``train/metrics.py``) and the final export
+(``train/export.py``) are components in their own files; the task is used only through the
+``ds_infcl.tasks.base.Task`` interface, whose methods are all there to call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from ds_infcl.tasks.base import Batch, as_batch, get_task
+from ds_infcl.train import zero3_gather
+from ds_infcl.train.checkpoint import load_checkpoint, save_checkpoint
+from ds_infcl.train.config import RunConfig
+from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
+from ds_infcl.train.ds_config import resolve_deepspeed_config
+from ds_infcl.train.export import export_model, save_params
+from ds_infcl.train.metrics import (
+    MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, tflops_per_gpu,
+)
+from ds_infcl.train.model import ContrastiveModel, compile_towers
+from ds_infcl.train.optim import prepare_optimizer
+from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
+from ds_infcl.train.steps import StepResult, grad_cache_step, uncached_step
+
+__all__ = ["Trainer", "TrainSummary", "Encoder"]
+
+
+@dataclass
+class TrainSummary:
+    """What ``train`` returns (on every rank) and writes to ``<output_dir>/summary.json`` (rank 0)."""
+
+    steps: int
+    start_step: int
+    world_size: int
+    global_batch_size: int
+    num_chunks: int
+    final_loss: float
+    final_logit_scale: float
+    losses: list
+    samples_per_s: float
+    peak_mem_mib: float
+    wall_s: float
+    eval: Dict[str, float] = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    final_scale: float = float("nan")  # exp(final_logit_scale), clamped: the "scale" of the logs
+    data: Dict[str, int] = field(default_factory=dict)  # the task's data counts, summed over ranks
+    model_flops_per_sample: Optional[float] = None  # 3 x the towers' forward FLOPs of one example
+    model_tflops_per_gpu: Optional[float] = None  # at the run's samples/s
+    mfu: Optional[float] = None  # model FLOPs utilization: model_tflops_per_gpu / the GPU's peak
+
+
+class Encoder:
+    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
+
+    def __init__(self, engine, device: torch.device):
+        self._engine = engine
+        self.device = device
+
+    def _run(self, mode: str, inputs):
+        from ds_infcl.tasks.base import tree_map
+
+        inputs = tree_map(lambda t: t.to(self.device), inputs)
+        with torch.no_grad():
+            if mode == "encode_query":
+                return self._engine("encode_query", inputs)
+            return self._engine("encode_key", None, inputs)
+
+    def encode_query(self, inputs) -> torch.Tensor:
+        return self._run("encode_query", inputs)
+
+    def encode_key(self, inputs) -> torch.Tensor:
+        return self._run("encode_key", inputs)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
+    """Data offload: keep the local batch on the host (pinned on CUDA) for chunk-by-chunk copies,
+    or (``data.offload: false``) move all of it to the device now."""
+    if device.type != "cuda":
+        return batch
+    if not cfg.data.offload:
+        return batch.map(lambda t: t.to(device, non_blocking=True))
+    if cfg.data.pin_memory in ("auto", True):  # (a task that decodes on the device hands over device tensors)
+        batch = batch.map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+    return batch
+
+
+def _log(msg: str, rank: int) -> None:
+    if rank == 0:
+        print(f"[ds_infcl] {msg}", flush=True)
+
+
+class Trainer:
+    """Train ``cfg.task`` with DeepSpeed on every rank of the launched world.
+
+    Args:
+        cfg: validated run config.
+        ds_config: the DeepSpeed config as a dict (batch fields may be missing or ``"auto"``).
+        resume: ``None`` (start fresh), ``"auto"`` (newest checkpoint in the checkpoint dir, if
+            any) or a checkpoint path (see ``checkpoint.resolve_resume``).
+        ds_config_source: name of the DeepSpeed config in error messages.
+        save_params: write the final (gathered) parameters as float32 to this ``.pt`` file on
+            rank 0 (tests compare runs with it).
+
+    Everything ``__init__`` opened is released by ``close()`` (also when ``__init__`` itself fails).
+    """
+
+    def __init__(self, cfg: RunConfig, ds_config: Dict[str, Any], *, resume: Optional[str] = None,
+                 ds_config_source: str = "DeepSpeed config", save_params: Optional[str] = None):
+        import deepspeed.comm as dist
+
+        self.t_start = time.time()
+        self.save_params_path = save_params
+        self.watchdog: Optional[ProgressWatchdog] = None
+        self.logger: Optional[MetricsLogger] = None
+        self.engine = None
+        self.data = None
+        self._closed = False
+        init_distributed(cfg.dist.timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = local_device()
+        try:
+            found = self._configure(cfg, ds_config, resume, ds_config_source)
+            self._build_engine(found)
+            self.start_step, self.samples = self._resume(resume, found)
+            self._announce()
+            self._open_run()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        """A line on rank 0's stdout."""
+        _log(msg, self.rank)
+
+    def _configure(self, cfg: RunConfig, ds_config: Dict[str, Any], resume, source: str):
+        """Configs: batch layout and optimizer; both fail before any model is built. So do the
+        checks of what would otherwise fail at step 1 or at the first checkpoint
+        (train/preflight.py: the compile toolchain, writable output and checkpoint folders, a
+        resume's record against this run). Returns the resume's ``(dir, tag)`` or ``None``."""
+        found = check_at_load(cfg, ds_config, self.world, device_type=self.device.type, rank=self.rank,
+                              resume=resume, source=source)
+        if cfg.batch.chunk_size == "auto":  # measure the towers for the chunk (train/chunk_auto.py)
+            from ds_infcl.train.chunk_auto import resolve_auto_chunk
+
+            cfg = resolve_auto_chunk(cfg, ds_config, self.world, self.rank, self.device, self.log)
+        ds_cfg, self.layout = resolve_deepspeed_config(cfg, ds_config, self.world, source=source)
+        self.ds_cfg, self.client_optimizer, self.notes = prepare_optimizer(ds_cfg, accelerator_name())
+        for n in self.notes:
+            self.log(n)
+        if cfg.batch.grad_cache and self.layout.num_chunks == 1:
+            self.log("batch.grad_cache is on with one chunk per rank: GradCache adds a pass for nothing")
+        self.cfg = cfg
+        self.task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
+        return found
+
+    def _build_engine(self, found) -> None:
+        """The model, identically initialized on all ranks (DeepSpeed also broadcasts rank 0's),
+        and the DeepSpeed engine; per-rank RNG streams from here on (dropout differs between ranks,
+        as in any DP run)."""
+        import deepspeed
+
+        cfg = self.cfg
+        _seed_all(cfg.train.seed)
+        stage = int(self.ds_cfg.get("zero_optimization", {}).get("stage", 0))
+        towers = compile_towers(self.task.build_towers(), cfg.model, stage, self.log)
+        model = ContrastiveModel(towers, self.task.build_loss(cfg.loss))
+        if found is not None:  # another model than the checkpoint's: said before the engine is built
+            check_param_shapes(found, model)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=self.client_optimizer,
+            config=self.ds_cfg,
+        )
+        self.engine.module.loss.group = self.engine.data_parallel_group
+        _seed_all(cfg.train.seed + 1 + 7919 * self.rank)
+
+    def _resume(self, resume: Optional[str], found):
+        """``(start_step, samples)``: from the checkpoint ``found`` (resolved, and its world size
+        and batch checked, by ``check_at_load``), else 0."""
+        resumed = False
+        start_step, samples = 0, 0
+        if resume and found is not None:
+            state = load_checkpoint(self.engine, found[0], found[1], self.device)
+            # Against the client state too: records of older versions keep no schedule.
+            check_same_schedule(state, self.ds_cfg, f"{found[0]}/{found[1]}")
+            resumed = True
+            start_step, samples = int(state["step"]), int(state["samples"])
+            self.task.load_state_dict(state.get("task_state", {}))
+            self.log(f"resumed from {found[0]}/{found[1]} at step {start_step}")
+        elif resume:
+            self.log(f"--resume {resume}: no checkpoint in {self.cfg.checkpoint_dir}; starting fresh")
+        if self.scheduler is not None and not resumed:
+            # DeepSpeed's schedulers start at iteration -1 (lr 0) and step after each optimizer step,
+            # so with a linear warm-up the first two steps would run at lr 0. Start at iteration 1:
+            # optimizer step k runs at iteration k (the warm-up's first step at 1/warmup of the lr).
+            self.scheduler.step(1)
+        return start_step, samples
+
+    def _announce(self) -> None:
+        cfg, layout, engine = self.cfg, self.layout, self.engine
+        self.log(
+            f"world {self.world} ({accelerator_name()}), global batch {layout.global_batch_size} = micro "
+            f"{layout.micro_batch_size} x accumulation {layout.num_chunks} x {self.world} ranks, "
+            f"ZeRO stage {engine.zero_optimization_stage()}, loss {cfg.loss.impl}, "
+            f"GradCache {'on' if cfg.batch.grad_cache else 'off'}, steps {self.start_step}->{cfg.train.num_steps}"
+        )
+        self.gather, why = zero3_gather.decide(cfg.batch.gather_params, engine, self.device, cfg.batch.grad_cache)
+        if cfg.batch.grad_cache and int(engine.zero_optimization_stage()) >= 3:
+            how = "gathered once per step" if self.gather else "gathered per chunk by ZeRO-3"
+            self.log(f"ZeRO-3 GradCache: parameters {how} ({why})")
+
+    def _open_run(self) -> None:
+        """The metrics logger, the run's config files (rank 0), the data stream, the watchdog."""
+        cfg, rank = self.cfg, self.rank
+        self.logger = MetricsLogger(
+            cfg.output_dir, enabled=rank == 0, csv_enabled=cfg.logging.csv,
+            tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
+            total_steps=cfg.train.num_steps, start_step=self.start_step,
+            monitor=getattr(self.engine, "monitor", None),
+        )
+        if rank == 0:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, "run_config.json"), "w") as f:
+                json.dump(cfg.to_dict(), f, indent=2)
+            with open(os.path.join(cfg.output_dir, "ds_config.resolved.json"), "w") as f:
+                json.dump(self.ds_cfg, f, indent=2)
+        self.data = self.task.batches(
+            rank=rank, world_size=self.world, local_batch_size=self.layout.local_batch_size,
+            start_step=self.start_step, seed=cfg.train.seed,
+        )
+        self.encoder = Encoder(self.engine, self.device)
+        self.losses, self.eval_metrics = [], {}
+        self.train_time, self.timed_samples = 0.0, 0
+        self.step = self.start_step
+        self.flops_per_sample: Optional[float] = None
+        self.peak = peak_tflops(self.device, cfg.logging.peak_tflops)
+        self.engine.train()
+        self.watchdog = ProgressWatchdog(cfg.dist.timeout_s, rank) if self.world > 1 else None
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def fit(self) -> TrainSummary:
+        """Steps up to ``train.num_steps``, each followed by its evaluation and checkpoint when
+        due; then the summary (the final export and ``summary.json`` included)."""
+        while self.step < self.cfg.train.num_steps:
+            self.train_step()
+            self.maybe_eval()
+            self.maybe_checkpoint()
+        return self.finish()
+
+    def beat(self) -> None:
+        """Progress made: the watchdog's clock restarts."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+    def train_step(self) -> StepResult:
+        """One optimizer step on the next batch: timed, its loss checked for a finite value, logged."""
+        cfg, device, batch_size = self.cfg, self.device, self.layout.global_batch_size
+        lrs = self.engine.get_lr()
+        lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
+        batch = _place(as_batch(next(self.data)), cfg, device)
+        if self.flops_per_sample is None and self.step == self.start_step:
+            known = self.task.model_flops_per_sample()  # a task that knows its FLOPs says so
+            self.flops_per_sample = float(known) if known is not None else \
+                model_flops_per_sample(self.engine, batch, device, self.log)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.time()
+        result = self.forward_backward_step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.time() - t0
+        self.step += 1
+        self.samples += batch_size
+        if self.step > self.start_step + 1 or self.step == cfg.train.num_steps:  # the first step includes warm-up
+            self.train_time += dt
+            self.timed_samples += batch_size
+        self.beat()
+        self.losses.append(result.loss)
+        if not math.isfinite(result.loss):
+            raise FloatingPointError(f"step {self.step}: loss is {result.loss}; stopping (lower the learning rate, "
+                                     "check fp16 scaling)")
+        if self.step % cfg.logging.every_steps == 0 or self.step == cfg.train.num_steps:
+            self._log_step(result, lr_applied, dt)
+        self.logger.advance()
+        return result
+
+    def forward_backward_step(self, batch: Batch) -> StepResult:
+        """Forward, backward and optimizer step of ``batch`` (GradCache's chunked protocol or one
+        pass); the loss's input errors (NaN/Inf features, ...) name the step."""
+        cfg = self.cfg
+        try:
+            if cfg.batch.grad_cache:
+                return grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
+                                       verify_replay=cfg.batch.verify_replay, gather_params=self.gather,
+                                       copy_stream=cfg.data.copy_stream)
+            return uncached_step(self.engine, batch, self.device)
+        except ValueError as e:
+            raise ValueError(f"step {self.step + 1}: {e}") from e
+
+    def _logit_scale(self) -> float:
+        with torch.no_grad():
+            return float(self.engine("logit_scale").float())
+
+    def _scale_of(self, logit_scale: float) -> float:
+        """The scale the loss applies: ``exp(logit_scale)`` clamped as the loss module clamps it."""
+        return math.exp(min(logit_scale, getattr(self.engine.module.loss, "max_logit_scale", math.inf)))
+
+    def _log_step(self, result: StepResult, lr_applied: float, dt: float) -> None:
+        batch_size = self.layout.global_batch_size
+        ls = self._logit_scale()
+        tflops = tflops_per_gpu(self.flops_per_sample, batch_size / dt, self.world)
+        self.logger.log_train({
+            "step": self.step, "loss": result.loss, "logit_scale": ls, "scale": self._scale_of(ls),
+            "lr": lr_applied, "samples_per_s": batch_size / dt, "step_time_s": dt,
+            "peak_mem_mib": peak_memory_mib(self.device), "samples": self.samples,
+            "model_tflops_per_gpu": tflops, "mfu": None if tflops is None or not self.peak else tflops / self.peak,
+        })
+
+    def maybe_eval(self) -> Optional[Dict[str, float]]:
+        """The task's evaluation (on every rank) when ``eval.every_steps`` divides the step, or
+        after the last step with ``eval.at_end``; its metrics, or ``None`` when not due."""
+        cfg, step = self.cfg, self.step
+        is_last = step == cfg.train.num_steps
+        if not ((cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end)):
+            return None
+        self.engine.eval()
+        self.eval_metrics = self.task.evaluate(self.encoder, step)
+        self.engine.train()
+        self.beat()
+        self.logger.log_eval(step, self.eval_metrics)
+        return self.eval_metrics
+
+    def maybe_checkpoint(self, force: bool = False) -> Optional[str]:
+        """Save a checkpoint when ``checkpoint.every_steps`` divides the step, after the last step
+        with ``checkpoint.at_end``, or now with ``force`` (the place for a stop at the step boundary:
+        a signal handler's flag checked after the step saves here, then leaves the loop). Every
+        rank calls it; returns the tag saved, or ``None``."""
+        cfg, step = self.cfg, self.step
+        is_last = step == cfg.train.num_steps
+        due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end)
+        if not (due or force):
+            return None
+        run_state = {
+            "step": step, "samples": self.samples, "task_state": self.task.state_dict(),
+            "world_size": self.world, "global_batch_size": self.layout.global_batch_size,
+            "run_config": cfg.to_dict(), "scheduler": self.ds_cfg.get("scheduler"),
+        }
+        tag = save_checkpoint(self.engine, cfg.checkpoint_dir, step, run_state, self.device, cfg.checkpoint.keep_last)
+        self.beat()
+        if not cfg.logging.progress_bar:
+            self.log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}")
+        return tag
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def finish(self) -> TrainSummary:
+        """After the last step: the data counts, the final scale, the saved parameters and the
+        export (collectives: every rank calls it), and the summary (``summary.json`` on rank 0)."""
+        cfg, engine, rank = self.cfg, self.engine, self.rank
+        self._close_logger()
+        data_counts = sum_over_ranks(self.task.data_report())
+        if data_counts:
+            self.log("data: " + ", ".join(f"{k}={v}" for k, v in sorted(data_counts.items())))
+        final_scale = self._logit_scale()
+        self.beat()
+        if self.save_params_path:
+            save_params(engine, self.save_params_path, rank)
+        if cfg.checkpoint.export_final and self.task.can_export():
+            export_model(engine, self.task, os.path.join(cfg.output_dir, "final_model"), rank,
+                         getattr(torch, cfg.checkpoint.export_dtype))
+        summary = self._summary(final_scale, data_counts)
+        if rank == 0:
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+                json.dump(summary.__dict__, f, indent=2)
+        return summary
+
+    def _summary(self, final_scale: float, data_counts: Dict[str, int]) -> TrainSummary:
+        losses = self.losses
+        summary = TrainSummary(
+            steps=self.step, start_step=self.start_step, world_size=self.world,
+            global_batch_size=self.layout.global_batch_size, num_chunks=self.layout.num_chunks,
+            final_loss=losses[-1] if losses else float("nan"), final_logit_scale=final_scale,
+            final_scale=self._scale_of(final_scale), losses=losses,
+            samples_per_s=(self.timed_samples / self.train_time) if self.train_time > 0 else float("nan"),
+            peak_mem_mib=peak_memory_mib(self.device), wall_s=time.time() - self.t_start,
+            eval=self.eval_metrics, notes=self.notes, data=data_counts,
+        )
+        summary.model_flops_per_sample = self.flops_per_sample
+        summary.model_tflops_per_gpu = tflops_per_gpu(self.flops_per_sample, summary.samples_per_s, self.world)
+        if summary.model_tflops_per_gpu is not None and self.peak:
+            summary.mfu = summary.model_tflops_per_gpu / self.peak
+        return summary
+
+    def close(self) -> None:
+        """Release what the run holds, however it ends (idempotent): stop the watchdog, close the
+        data stream (a loader's worker processes, a prefetch or device-decode thread stop now, not
+        when a caught error's traceback is released), close the metrics logger, destroy the
+        engine. Every part is attempted; the first failure is raised after the rest ran."""
+        if self._closed:
+            return
+        self._closed = True
+        first: Optional[BaseException] = None
+        for release in (self._stop_watchdog, self._close_data, self._close_logger, self._destroy_engine):
+            try:
+                release()
+            except BaseException as e:  # noqa: BLE001 -- the others still run; raised below
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def _close_data(self) -> None:
+        close = getattr(self.data, "close", None)  # a generator, or a loader object with close()
+        self.data = None
+        if callable(close):
+            close()
+
+    def _close_logger(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+    def _destroy_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 -- with an error in flight, that error is the one to see
+            if exc_type is None:
+                raise
+            print("[ds_infcl] clean-up after the error below failed too:", file=sys.stderr)
+            traceback.print_exc()
+        return False
