@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ds_infcl.train.checkpoint import load_checkpoint, save_checkpoint
+from ds_infcl.train.checkpoint import load_checkpoint, run_id_after, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
@@ -24,6 +24,7 @@ from ds_infcl.train.metrics import MetricsLogger, peak_memory_mib, peak_tflops
 from ds_infcl.train.model import ContrastiveModel, compile_towers, eager_blocks
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
+from ds_infcl.train.signals import StopOnSignal, StopRun
 from ds_infcl.train import zero3_gather
 from ds_infcl.train.steps import grad_cache_step, uncached_step
 from ds_infcl.tasks.base import Batch, as_batch, build_loss, get_task
@@ -233,6 +234,8 @@ def train(
     flops_per_sample: Optional[float] = None
     peak = peak_tflops(device, cfg.logging.peak_tflops)
     beat = watchdog.beat if watchdog is not None else (lambda: None)
+    run_id = run_id_after(found if resumed else None)  # whose checkpoints this run may replace or prune
+    stop = StopOnSignal(rank).install()  # SIGTERM/SIGINT/SIGHUP: stop at a step boundary (train/signals.py)
     try:
         while step < cfg.train.num_steps:
             lrs = engine.get_lr()
@@ -287,18 +290,25 @@ def train(
                 beat()
                 logger.log_eval(step, eval_metrics)
 
-            if (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end):
+            stopping = stop.agree(device=device)  # a signal on any rank: all save here, then stop
+            if ((cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end)
+                    or (stopping and cfg.checkpoint.on_signal)):
                 run_state = {
                     "step": step, "samples": samples,
                     "task_state": task.state_dict() if hasattr(task, "state_dict") else {},
                     "world_size": world, "global_batch_size": layout.global_batch_size, "run_config": cfg.to_dict(),
                     "scheduler": ds_cfg.get("scheduler"),
                 }
-                tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last)
+                tag = save_checkpoint(engine, cfg.checkpoint_dir, step, run_state, device, cfg.checkpoint.keep_last,
+                                      run_id=run_id, overwrite=cfg.checkpoint.overwrite)
                 beat()
-                if not cfg.logging.progress_bar:
+                if not cfg.logging.progress_bar or stopping:
                     _log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}", rank)
+            if stopping:
+                logger.close()
+                raise StopRun(stop.signum, step, tag if cfg.checkpoint.on_signal else None)
     except BaseException:
+        stop.restore()
         # Stop the task's loader (worker processes, a prefetch or device-decode thread) now, not
         # when the traceback is released: a caller that catches the error keeps it alive.
         close = getattr(data, "close", None)
@@ -306,6 +316,7 @@ def train(
             close()
         raise
 
+    stop.restore()
     logger.close()
     data_counts = _data_report(task)
     if data_counts:
