@@ -211,7 +211,8 @@ def verify_tag(ckpt_dir: str, tag: str) -> Optional[Dict[str, Any]]:
 
 def complete_tags(ckpt_dir: str) -> List[Tuple[str, Optional[Dict[str, Any]]]]:
     """Tags of ``ckpt_dir`` that have a completion record, newest first (record ``seq``, then
-    step), each with its record; ``None`` for a record that cannot be read (a damaged tag)."""
+    step), each with its record; ``None`` for a record that cannot be read (a damaged tag, put
+    first)."""
     found = []
     for tag in _tag_dirs(ckpt_dir):
         if not os.path.isfile(os.path.join(ckpt_dir, tag, RECORD)):
@@ -222,10 +223,12 @@ def complete_tags(ckpt_dir: str) -> List[Tuple[str, Optional[Dict[str, Any]]]]:
             record = None
         found.append((tag, record))
 
-    def key(item):
+    def key(item):  # an unreadable record first: it may be the newest, and is reported before any is taken
         tag, record = item
         step, suffix = _parse_tag(tag)
-        return (int((record or {}).get("seq", 0)), int((record or {}).get("step", step)), suffix)
+        if record is None:
+            return (1 << 62, step, suffix)
+        return (int(record.get("seq", 0)), int(record.get("step", step)), suffix)
 
     return sorted(found, key=key, reverse=True)
 
@@ -285,7 +288,7 @@ def _resolve_dir(resume: str, ckpt_dir: str, verify: bool):
         return ckpt_dir, tags[0][0]
     tag, problems = _newest_intact(ckpt_dir)
     for bad, problem in problems:
-        _note(f"checkpoint {ckpt_dir}/{bad} is damaged: {problem}" + (f"; using the previous complete checkpoint {tag}" if tag else ""))
+        _note(f"checkpoint {ckpt_dir}/{bad} is damaged: {problem}" + (f"; using the newest intact checkpoint {tag}" if tag else ""))
     if tag is None:
         raise ConfigError(
             f"--resume {resume}: no intact checkpoint in {ckpt_dir}: "

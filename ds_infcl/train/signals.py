@@ -81,7 +81,8 @@ def _prctl_pdeathsig(signum: int) -> bool:
 
 
 class StopOnSignal:
-    """Turn SIGTERM, SIGINT and SIGHUP into a stop at the next step boundary.
+    """Turn SIGTERM, SIGINT and SIGHUP into a stop at the next step boundary. ``grace_s``: how
+    long after its first signal the process may still run (``None``: no limit, for tests).
 
     Example::
 
@@ -95,7 +96,7 @@ class StopOnSignal:
             stop.restore()
     """
 
-    def __init__(self, rank: int = 0, grace_s: float = GRACE_S, watch_period_s: float = 1.0):
+    def __init__(self, rank: int = 0, grace_s: Optional[float] = GRACE_S, watch_period_s: float = 1.0):
         self.rank = rank
         self.grace_s = grace_s
         self.watch_period_s = watch_period_s
@@ -158,9 +159,10 @@ class StopOnSignal:
         self._first_at = time.monotonic()
         name = signal.Signals(signum).name
         os.write(2, f"[ds_infcl] rank {self.rank}: {name} ({why}): stopping at the next step boundary\n".encode())
-        self._timer = threading.Timer(self.grace_s, self._leave)
-        self._timer.daemon = True
-        self._timer.start()
+        if self.grace_s is not None:
+            self._timer = threading.Timer(self.grace_s, self._leave)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _leave(self) -> None:
         print(f"[ds_infcl] rank {self.rank}: still running {self.grace_s:g} s after "
