@@ -142,6 +142,8 @@ def train(
     t_start = time.time()
     init_distributed(cfg.dist.timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # SIGTERM/SIGINT/SIGHUP, or the launcher's death: stop at a step boundary (train/signals.py)
+    stop = StopOnSignal(rank).install()
     device = local_device()
     accel = accelerator_name()
 
@@ -235,7 +237,6 @@ def train(
     peak = peak_tflops(device, cfg.logging.peak_tflops)
     beat = watchdog.beat if watchdog is not None else (lambda: None)
     run_id = run_id_after(found if resumed else None)  # whose checkpoints this run may replace or prune
-    stop = StopOnSignal(rank).install()  # SIGTERM/SIGINT/SIGHUP: stop at a step boundary (train/signals.py)
     try:
         while step < cfg.train.num_steps:
             lrs = engine.get_lr()
