@@ -450,14 +450,23 @@ def _broadcast(obj):
 
 
 def _file_digests(folder: str, rank: int, world: int) -> Dict[str, Dict[str, Any]]:
-    """Size and SHA-256 of every file in ``folder``: rank 0 lists them, each rank hashes its share,
-    every rank gets them all (a collective)."""
+    """Size and SHA-256 of every file in ``folder``: rank 0 lists them, each rank fsyncs and hashes
+    its share, every rank gets them all (a collective)."""
     import torch.distributed as tdist
 
     names = sorted(f for f in os.listdir(folder) if f != RECORD and ".tmp" not in f) if rank == 0 else None
     names = _broadcast(names)
-    mine = {n: {"size": os.path.getsize(os.path.join(folder, n)), "sha256": file_sha256(os.path.join(folder, n))}
-            for n in names[rank::world]}
+    mine = {}
+    for n in names[rank::world]:
+        path = os.path.join(folder, n)
+        fd = os.open(path, os.O_RDONLY)  # DeepSpeed does not fsync its files: durable before the record
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        mine[n] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
+    if rank == 0:
+        _fsync_dir(folder)
     if world == 1 or not tdist.is_initialized():
         return mine
     parts = [None] * world
