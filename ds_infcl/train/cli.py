@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a DeepSpeed config key, e.g. --ds-set zero_optimization.stage=3 "
                    "(a null value removes the key: --ds-set scheduler=null); repeatable")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="resume: 'auto' (default when the flag has no value: newest checkpoint of the run, "
-                   "or a fresh start if none), a checkpoint directory, or a tag directory")
+                   help="resume: 'auto' (default when the flag has no value: the newest complete checkpoint in "
+                   "checkpoint.dir, or a fresh start if none), a checkpoint directory, or a tag directory")
     p.add_argument("--fresh", action="store_true",
                    help="start a new run even where checkpoint.dir holds complete checkpoints (same as "
                    "--set checkpoint.overwrite=true); without it such a start is refused")

@@ -12,6 +12,10 @@ built) and in ``--check`` (``dry``: nothing is created or written). It checks:
 - ``output_dir`` and the checkpoint directory are writable (a probe file is written, fsynced and
   removed; a full disk is named as such), so that a run does not train for hours and then fail to
   save.
+- ``--resume``: the newest intact checkpoint (``checkpoint.resolve_resume``: its files' sizes and
+  SHA-256 against its record, checked by rank 0 and its answer broadcast); without a checkpoint to
+  resume, a ``checkpoint.dir`` holding complete checkpoints is refused unless
+  ``checkpoint.overwrite`` (``--fresh``).
 - ``--resume``: the checkpoint's completion record against this run (global batch, number of
   ranks under ZeRO 1-3, the learning-rate schedule when the record has it); once the towers are
   built, before ``deepspeed.initialize``, their parameter shapes (``check_param_shapes``).

@@ -23,8 +23,8 @@ slow = pytest.mark.slow
 NO_SCHEDULE = ["--ds-set", "scheduler=null"]  # the runs below change train.num_steps between resumes
 
 
-def test_handler_records_the_signal_and_restores(monkeypatch):
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+def test_handler_records_the_signal_and_restores():
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     before = signal.getsignal(signal.SIGTERM)
     stop = StopOnSignal(grace_s=None).install()
     try:
@@ -38,7 +38,7 @@ def test_handler_records_the_signal_and_restores(monkeypatch):
         assert stop.requested() == signal.SIGTERM
     finally:
         stop.restore()
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, hup)
     assert signal.getsignal(signal.SIGTERM) == before
     assert StopRun(signal.SIGTERM, 7, "step00000007").exit_code == 143
 
