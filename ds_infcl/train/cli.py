@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a DeepSpeed config key, e.g. --ds-set zero_optimization.stage=3 "
                    "(a null value removes the key: --ds-set scheduler=null); repeatable")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="resume: 'auto' (default when the flag has no value: newest checkpoint of the run, "
-                   "or a fresh start if none), a checkpoint directory, or a tag directory")
+                   help="resume: 'auto' (default when the flag has no value: the newest complete checkpoint in "
+                   "checkpoint.dir, or a fresh start if none), a checkpoint directory, or a tag directory")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run even where checkpoint.dir holds complete checkpoints (same as "
+                   "--set checkpoint.overwrite=true); without it such a start is refused")
     p.add_argument("--output_dir", "--output-dir", dest="output_dir", help="shortcut for --set output_dir=...")
     p.add_argument("--save-params", dest="save_params", help="write the final float32 parameters to this .pt file (rank 0)")
     p.add_argument("--check", action="store_true", help="validate the configs and exit")
@@ -67,12 +70,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         overrides = list(args.overrides)
         if args.output_dir:
             overrides.append(f"output_dir={args.output_dir}")
+        if args.fresh and args.resume is not None:
+            raise ConfigError("--fresh starts a new run and --resume continues one: pass only one of them")
+        if args.fresh:
+            overrides.append("checkpoint.overwrite=true")
         cfg = load_run_config(args.config, overrides)
         ds_config = _load_ds_config(args.deepspeed_config, args.ds_overrides)
         if args.resume not in (None, "auto"):  # a bad path stops the run here, not after set-up
             from ds_infcl.train.checkpoint import resolve_resume
 
-            resolve_resume(args.resume, cfg.checkpoint_dir)
+            resolve_resume(args.resume, cfg.checkpoint_dir, verify=False)  # rank 0 verifies it at load
         if args.check:
             world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
             from ds_infcl.train.optim import prepare_optimizer
@@ -96,6 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ds_infcl.train.dist import shutdown
     from ds_infcl.train.loop import train
+    from ds_infcl.train.signals import StopRun
 
     try:
         summary = train(cfg, ds_config, resume=args.resume, ds_config_source=args.deepspeed_config,
@@ -103,6 +111,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except StopRun as e:  # a signal: every rank stopped at the same step (and saved there)
+        shutdown()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[ds_infcl] {e}; exit status {e.exit_code}", flush=True)
+        return e.exit_code
     except Exception as e:  # noqa: BLE001 -- only communication failures are reworded
         from ds_infcl.train.dist import is_comm_failure
 

@@ -180,7 +180,11 @@ class CheckpointConfig:
     ``export_final`` a task that has ``save_pretrained(folder, towers, logit_scale)`` writes the
     final model to ``<output_dir>/final_model`` (a folder its adapter loads), its weights taken from
     the optimizer's float32 masters and written in ``export_dtype`` (``float32``, ``bfloat16`` or
-    ``float16``; the logit scale and bias stay float32)."""
+    ``float16``; the logit scale and bias stay float32). ``keep_last`` removes only this run's
+    older tags (by step). ``overwrite`` (``--fresh``): a run without ``--resume`` may start in a
+    ``dir`` that holds complete checkpoints (refused otherwise) and rewrite tags of the same name.
+    ``on_signal``: on SIGTERM, SIGINT or SIGHUP every rank saves a checkpoint at the step boundary
+    before it exits with 128 + the signal's number (``train/signals.py``)."""
 
     dir: Optional[str] = None
     every_steps: int = 0
@@ -188,6 +192,8 @@ class CheckpointConfig:
     keep_last: int = 0
     export_final: bool = True
     export_dtype: str = "float32"
+    overwrite: bool = False
+    on_signal: bool = True
 
 
 @dataclass

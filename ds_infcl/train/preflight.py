@@ -12,6 +12,10 @@ built) and in ``--check`` (``dry``: nothing is created or written). It checks:
 - ``output_dir`` and the checkpoint directory are writable (a probe file is written, fsynced and
   removed; a full disk is named as such), so that a run does not train for hours and then fail to
   save.
+- ``--resume``: the newest intact checkpoint (``checkpoint.resolve_resume``: its files' sizes and
+  SHA-256 against its record, checked by rank 0 and its answer broadcast); without a checkpoint to
+  resume, a ``checkpoint.dir`` holding complete checkpoints is refused unless
+  ``checkpoint.overwrite`` (``--fresh``).
 - ``--resume``: the checkpoint's completion record against this run (global batch, number of
   ranks under ZeRO 1-3, the learning-rate schedule when the record has it); once the towers are
   built, before ``deepspeed.initialize``, their parameter shapes (``check_param_shapes``).
@@ -272,6 +276,28 @@ def check_deepspeed_objects(ds_config: Dict[str, Any], source: str = "DeepSpeed 
                 )
 
 
+def _resolve_once(resume: str, ckpt_dir: str, rank: int):
+    """``resolve_resume`` with its file checks (every file's SHA-256) done once: by rank 0, its
+    answer (or its error) broadcast, so that every rank takes the same tag. Without a process
+    group (``--check``), here."""
+    import torch.distributed as tdist
+
+    from ds_infcl.train.checkpoint import resolve_resume
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return resolve_resume(resume, ckpt_dir)
+    answer = [None, None]
+    if rank == 0:
+        try:
+            answer[0] = resolve_resume(resume, ckpt_dir)
+        except ConfigError as e:
+            answer[1] = str(e)
+    tdist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise ConfigError(answer[1])
+    return tuple(answer[0]) if answer[0] is not None else None
+
+
 def check_at_load(cfg, ds_config: Dict[str, Any], world_size: int, *, device_type: str, rank: int = 0,
                   resume: Optional[str] = None, dry: bool = False, source: str = "DeepSpeed config"):
     """All the checks above for a run; ``ds_config`` is the DeepSpeed JSON as given (after
@@ -300,11 +326,13 @@ def check_at_load(cfg, ds_config: Dict[str, Any], world_size: int, *, device_typ
     check_compile(cfg.model, zero_stage, device_type)
     found = None
     if resume:
-        from ds_infcl.train.checkpoint import resolve_resume
-
-        found = resolve_resume(resume, cfg.checkpoint_dir)
+        found = _resolve_once(resume, cfg.checkpoint_dir, rank)
         if found is not None:
             check_resume(found, world_size, zero_stage, layout.global_batch_size, resolved)
+    if found is None and (cfg.checkpoint.every_steps or cfg.checkpoint.at_end or cfg.checkpoint.on_signal):
+        from ds_infcl.train.checkpoint import check_fresh_start
+
+        check_fresh_start(cfg.checkpoint_dir, cfg.checkpoint.overwrite)
     if rank == 0:
         check_writable(cfg.output_dir, "output_dir", dry=dry)
     if cfg.checkpoint.every_steps or cfg.checkpoint.at_end:

@@ -9,6 +9,10 @@
 - ``train_step()``: one optimizer step (``forward_backward_step`` runs the step of
   ``train/steps.py``: uncached or GradCache), timed, checked for a finite loss and logged.
 - ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules.
+- ``stop_requested()``: at the step boundary the ranks agree whether any of them got SIGTERM,
+  SIGINT or SIGHUP (or lost its launcher); then every rank saves there (``checkpoint.on_signal``)
+  and ``fit`` raises ``StopRun`` (train/signals.py), which the CLI turns into exit code 128 + the
+  signal number.
 - ``close()``: the progress watchdog stopped, the data stream closed, the metrics logger closed,
   the engine destroyed. ``__exit__`` runs it, so a step that raises leaves no watchdog thread
   behind in a caller that catches the error (a benchmark loop, a notebook, the tests).
@@ -34,7 +38,7 @@ import torch
 
 from ds_infcl.tasks.base import Batch, as_batch, get_task
 from ds_infcl.train import zero3_gather
-from ds_infcl.train.checkpoint import load_checkpoint, save_checkpoint
+from ds_infcl.train.checkpoint import load_checkpoint, run_id_after, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.ds_config import resolve_deepspeed_config
@@ -45,6 +49,7 @@ from ds_infcl.train.metrics import (
 from ds_infcl.train.model import ContrastiveModel, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
+from ds_infcl.train.signals import StopOnSignal, StopRun
 from ds_infcl.train.steps import StepResult, grad_cache_step, uncached_step
 
 __all__ = ["Trainer", "TrainSummary", "Encoder"]
@@ -153,11 +158,17 @@ class Trainer:
         self._closed = False
         init_distributed(cfg.dist.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # SIGTERM/SIGINT/SIGHUP, or the launcher's death: stop at a step boundary (train/signals.py);
+        # from here on, so that a signal during set-up stops the run too.
+        self.stop = StopOnSignal(self.rank).install()
         self.device = local_device()
         try:
             found = self._configure(cfg, ds_config, resume, ds_config_source)
             self._build_engine(found)
             self.start_step, self.samples = self._resume(resume, found)
+            # Whose checkpoints this run may replace or prune: a resume of the newest tag continues
+            # that run, any other start is a new run (train/checkpoint.py).
+            self.run_id = run_id_after(found if self.resumed else None)
             self._announce()
             self._open_run()
         except BaseException:
@@ -216,13 +227,13 @@ class Trainer:
     def _resume(self, resume: Optional[str], found):
         """``(start_step, samples)``: from the checkpoint ``found`` (resolved, and its world size
         and batch checked, by ``check_at_load``), else 0."""
-        resumed = False
+        self.resumed = resumed = False
         start_step, samples = 0, 0
         if resume and found is not None:
             state = load_checkpoint(self.engine, found[0], found[1], self.device)
             # Against the client state too: records of older versions keep no schedule.
             check_same_schedule(state, self.ds_cfg, f"{found[0]}/{found[1]}")
-            resumed = True
+            self.resumed = resumed = True
             start_step, samples = int(state["step"]), int(state["samples"])
             self.task.load_state_dict(state.get("task_state", {}))
             self.log(f"resumed from {found[0]}/{found[1]} at step {start_step}")
@@ -284,8 +295,16 @@ class Trainer:
         while self.step < self.cfg.train.num_steps:
             self.train_step()
             self.maybe_eval()
+            if self.stop_requested():
+                tag = self.maybe_checkpoint(force=self.cfg.checkpoint.on_signal)
+                self._close_logger()
+                raise StopRun(self.stop.signum, self.step, tag)
             self.maybe_checkpoint()
         return self.finish()
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got a stop signal (a collective: every rank calls it at the step boundary)."""
+        return self.stop.agree(device=self.device)
 
     def beat(self) -> None:
         """Progress made: the watchdog's clock restarts."""
@@ -385,9 +404,10 @@ class Trainer:
             "world_size": self.world, "global_batch_size": self.layout.global_batch_size,
             "run_config": cfg.to_dict(), "scheduler": self.ds_cfg.get("scheduler"),
         }
-        tag = save_checkpoint(self.engine, cfg.checkpoint_dir, step, run_state, self.device, cfg.checkpoint.keep_last)
+        tag = save_checkpoint(self.engine, cfg.checkpoint_dir, step, run_state, self.device, cfg.checkpoint.keep_last,
+                              run_id=self.run_id, overwrite=cfg.checkpoint.overwrite)
         self.beat()
-        if not cfg.logging.progress_bar:
+        if not cfg.logging.progress_bar or force:
             self.log(f"saved checkpoint {cfg.checkpoint_dir}/{tag}")
         return tag
 
@@ -440,7 +460,8 @@ class Trainer:
             return
         self._closed = True
         first: Optional[BaseException] = None
-        for release in (self._stop_watchdog, self._close_data, self._close_logger, self._destroy_engine):
+        for release in (self.stop.restore, self._stop_watchdog, self._close_data, self._close_logger,
+                        self._destroy_engine):
             try:
                 release()
             except BaseException as e:  # noqa: BLE001 -- the others still run; raised below

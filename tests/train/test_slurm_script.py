@@ -54,3 +54,30 @@ def test_dry_run_and_outside_an_allocation(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "launch/example_run.json"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "not inside a SLURM allocation" in proc.stderr
+
+
+def test_sigterm_before_the_time_limit_stops_the_step_and_requeues(tmp_path):
+    """SLURM's --signal=B:TERM@120 reaches the batch script only: it passes SIGTERM to srun (which
+    forwards it to every node's launcher) and requeues the job once the step has ended."""
+    import signal
+    import time
+
+    assert "#SBATCH --signal=B:TERM@" in SCRIPT.read_text() and "#SBATCH --requeue" in SCRIPT.read_text()
+    env = _env(tmp_path)
+    log = tmp_path / "calls"
+    _stub(tmp_path / "bin", "scontrol", f'[[ "$1" == requeue ]] && echo "scontrol $*" >> {log}\n'
+                                        'echo gpu-a01; echo gpu-a02\n')
+    # srun: a step that runs until it gets SIGTERM, then ends as the ranks do (128 + 15).
+    _stub(tmp_path / "bin", "srun", f'trap \'echo "srun got TERM" >> {log}; exit 143\' TERM\n'
+                                    f'echo started >> {log}\nwhile true; do sleep 0.1; done\n')
+    proc = subprocess.Popen(["bash", str(SCRIPT), "launch/example_run.json", "ds_configs/zero2.json", "--resume"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (log.exists() and "started" in log.read_text()):
+        assert time.time() - t0 < 30 and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert log.read_text().splitlines()[1:] == ["srun got TERM", "scontrol requeue 42"]
+    assert "the ranks stop at their next step boundary" in err
