@@ -7,8 +7,8 @@ is checked against the packages it must never reach:
     ops, ring -> loss -> adapters, data -> tasks -> train (the engine) -> demos, bench
 
 with two refinements: the engine imports the task interface (``ds_infcl.tasks.base``) and no task
-module, and DeepSpeed is imported by the engine only. Old import paths kept for users are thin
-re-export modules listed in ``COMPAT_SHIMS``; they are checked to stay thin.
+module, and DeepSpeed is imported by the engine only. There are no compatibility re-export modules:
+every file is in a room and follows its rules.
 """
 
 import ast
@@ -38,16 +38,6 @@ FORBIDDEN = {
 }
 ALLOWED = {"train": ("ds_infcl.tasks.base",)}
 
-# Old module paths users may have (python -m ds_infcl.train.demo, from ds_infcl.train.task import
-# Task, ...): re-export modules of at most SHIM_LINES lines, exempt from the room rules.
-COMPAT_SHIMS = {
-    "demo.py": "ds_infcl.demos.loss",
-    "train/demo.py": "ds_infcl.demos.trainer",
-    "train/retrieval_demo.py": "ds_infcl.demos.retrieval",
-    "train/bench_gpu.py": "ds_infcl.bench.engine",
-    "train/task.py": "ds_infcl.tasks",
-}
-SHIM_LINES = 10
 MAX_LINES = 500
 OVERSIZE_REASON = "# Over 500 lines on purpose:"
 
@@ -68,8 +58,7 @@ def _matches(name: str, prefix: str) -> bool:
 
 def _package_files(root: pathlib.Path, package: str):
     single = root / f"{package}.py"
-    files = [single] if single.is_file() else sorted((root / package).rglob("*.py"))
-    return [p for p in files if p.relative_to(root).as_posix() not in COMPAT_SHIMS]
+    return [single] if single.is_file() else sorted((root / package).rglob("*.py"))
 
 
 def violations(root: pathlib.Path, package: str):
@@ -94,8 +83,7 @@ def test_import_direction(package):
 
 def test_every_module_is_in_a_room():
     rooms = set(FORBIDDEN)
-    loose = [p.name for p in ROOT.glob("*.py") if p.stem not in rooms and p.name != "__init__.py"
-             and p.name not in COMPAT_SHIMS]
+    loose = [p.name for p in ROOT.glob("*.py") if p.stem not in rooms and p.name != "__init__.py"]
     unruled = [p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__" and p.name not in rooms]
     assert loose == [] and unruled == []
 
@@ -120,15 +108,6 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     assert violations(root, "train") == ["ds_infcl/train/loop.py:4 imports ds_infcl.tasks.clip"]
     assert violations(root, "tasks") == ["ds_infcl/tasks/clip.py:1 imports ds_infcl.demos.trainer"]
     assert violations(root, "adapters") == ["ds_infcl/adapters/x.py:1 imports deepspeed"]
-
-
-def test_compat_shims_stay_thin():
-    for rel, target in COMPAT_SHIMS.items():
-        path = ROOT / rel
-        lines = path.read_text().splitlines()
-        assert len(lines) <= SHIM_LINES, f"{rel} is a compatibility shim: keep it a re-export"
-        imported = {name for _, name in _imports(path)}
-        assert imported and all(_matches(name, target) for name in imported), (rel, imported)
 
 
 def test_no_import_circle_in_the_loss_registry():
