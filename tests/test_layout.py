@@ -17,7 +17,7 @@ tree, and the ``__init__`` of every package on the way (``a``, ``a.b``) that is 
 importer's own packages (those are always initialized before the importer runs). So a package's
 ``__init__`` that re-exports its own submodules is not in a circle with them, and neither is
 ``from ds_infcl.loss import peer_copy`` (a submodule) inside ``ds_infcl.loss.ring``; but a submodule
-that takes a name from its own package's ``__init__`` (``from ds_infcl.loss import ClipLoss``
+that takes a name from its own package's ``__init__`` (``from ds_infcl.loss import ContrastiveLoss``
 inside ``ds_infcl.loss.y``) while that ``__init__`` imports it is a circle and is reported.
 """
 
@@ -258,6 +258,32 @@ def test_the_circle_rule_catches_circles(tmp_path):
         "ds_infcl.data.p -> ds_infcl.data.q -> ds_infcl.data.r -> ds_infcl.data.p",
         "ds_infcl.tasks -> ds_infcl.tasks.t -> ds_infcl.tasks",
     ]
+
+
+def public_classes_defined_twice(root: pathlib.Path):
+    """``{name: [files]}`` for every public class name (no leading ``_``) that more than one file
+    of the tree at ``root`` defines at module level."""
+    where = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(path.relative_to(root.parent).as_posix())
+    return {name: files for name, files in where.items() if len(files) > 1}
+
+
+def test_one_class_per_public_name():
+    # Two classes of one name (ds_infcl.loss.ClipLoss and the OpenCLIP drop-in's ClipLoss had
+    # different signatures) leave users guessing which one an example means.
+    assert public_classes_defined_twice(ROOT) == {}
+
+
+def test_the_class_name_rule_catches_a_duplicate(tmp_path):
+    root = _fake_tree(tmp_path, {
+        "loss/module.py": "class ClipLoss:\n    pass\nclass _Helper:\n    pass\n",
+        "adapters/open_clip_loss.py": "class ClipLoss:\n    pass\nclass _Helper:\n    pass\n",
+    })
+    assert public_classes_defined_twice(root) == {
+        "ClipLoss": ["ds_infcl/adapters/open_clip_loss.py", "ds_infcl/loss/module.py"]}
 
 
 def test_no_import_circle_in_the_loss_registry():

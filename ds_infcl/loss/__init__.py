@@ -5,14 +5,13 @@ implementations (Inf-CL and the baselines), and SigLIP's sigmoid loss (``siglip_
 # Importing the implementations registers them (``functional``: infcl; ``baselines``: the peers').
 from ds_infcl.loss import baselines as _baselines  # noqa: F401
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
-from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
+from ds_infcl.loss.module import ContrastiveLoss
 from ds_infcl.loss.registry import available_loss_impls, get_loss_impl, register_loss_impl
 from ds_infcl.loss.siglip import SigLIPLoss, siglip_loss
 from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss
 from ds_infcl.ring.groups import group_rank, group_size, resolve_group
 
 __all__ = [
-    "ClipLoss",
     "ContrastiveLoss",
     "FastCLIPLoss",
     "available_fastclip_losses",
