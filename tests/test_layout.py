@@ -19,6 +19,9 @@ importer's own packages (those are always initialized before the importer runs).
 ``from ds_infcl.loss import peer_copy`` (a submodule) inside ``ds_infcl.loss.ring``; but a submodule
 that takes a name from its own package's ``__init__`` (``from ds_infcl.loss import ContrastiveLoss``
 inside ``ds_infcl.loss.y``) while that ``__init__`` imports it is a circle and is reported.
+
+And one class per public name: two files defining a public class of the same name (as
+``ds_infcl.loss.ClipLoss`` and the OpenCLIP drop-in's ``ClipLoss`` once did) is reported.
 """
 
 import ast
