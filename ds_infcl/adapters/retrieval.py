@@ -19,7 +19,7 @@ adapters only (``lora``, through ``peft``).
 
 The loss with false-negative masking (``RetrievalLoss``, ``retrieval_loss``) lives in
 ``ds_infcl.loss.retrieval`` and is re-exported here; the export helpers (model card) in
-``ds_infcl.adapters.retrieval_export``.
+``ds_infcl.adapters.retrieval_export``, which this module imports (never the other way round).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ds_infcl.adapters.retrieval_export import save_encoders, st_embedding_dim
 from ds_infcl.loss.retrieval import RetrievalLoss, false_negative_pairs, keys_and_labels, retrieval_loss  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -111,13 +112,6 @@ def _tokenize(model, texts: List[str]) -> Dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _embedding_dim(model) -> int:
-    for name in ("get_embedding_dimension", "get_sentence_embedding_dimension", "get_word_embedding_dimension"):
-        if hasattr(model, name):
-            return getattr(model, name)()
-    raise ValueError(f"cannot tell the embedding dimension of {type(model).__name__}")
-
-
 def _st_modules():
     from sentence_transformers.sentence_transformer import modules
 
@@ -183,7 +177,7 @@ def load_sentence_transformer(
         model = SentenceTransformer(path, device=device, local_files_only=True, model_kwargs=model_kwargs)
     else:
         transformer = m.Transformer(path, model_kwargs=model_kwargs)
-        dim = _embedding_dim(transformer)
+        dim = st_embedding_dim(transformer)
         default_pooling = "lasttoken" if is_decoder_model(transformer.config) else "mean"
         mods = [transformer, m.Pooling(dim, pooling_mode=_POOLING_ALIASES[pooling or default_pooling])]
         if normalize is None or normalize:
@@ -195,7 +189,7 @@ def load_sentence_transformer(
     if pooling is not None:
         for i, mod in enumerate(mods):
             if isinstance(mod, m.Pooling):
-                dim = _embedding_dim(mods[0])  # the token embedding size of the Transformer
+                dim = st_embedding_dim(mods[0])  # the token embedding size of the Transformer
                 mods[i] = m.Pooling(dim, pooling_mode=_POOLING_ALIASES[pooling])
     if normalize is not None:
         has = any(isinstance(x, m.Normalize) for x in mods)
@@ -418,11 +412,6 @@ def _apply_lora(model, lora: Dict[str, Any]) -> None:
                          f"are named {linear}") from None
 
 
-def _is_lora(model) -> bool:
-    """Whether ``model``'s transformer is wrapped by peft."""
-    return len(model) > 0 and hasattr(getattr(model[0], "model", None), "peft_config")
-
-
 def _enable_gradient_checkpointing(model) -> None:
     transformer = _transformer_module(model, "gradient_checkpointing")
     hf = transformer.auto_model
@@ -623,7 +612,7 @@ class RetrievalEncoders(nn.Module):
 
     @property
     def embedding_dim(self) -> int:
-        return _embedding_dim(self.query_model)
+        return st_embedding_dim(self.query_model)
 
     def save(self, path: str, *, loss_name: str = "ds_infcl RetrievalLoss", batch_size: Optional[int] = None,
              extra: Optional[Dict[str, object]] = None) -> List[str]:
@@ -634,8 +623,6 @@ class RetrievalEncoders(nn.Module):
         pooling and normalize configs, the prefixes as prompts, and a README.md model card that
         names the loss and the batch size (plus ``ds_infcl_training.json`` with the same facts).
         """
-        from ds_infcl.adapters.retrieval_export import save_encoders
-
         return save_encoders(self, path, loss_name=loss_name, batch_size=batch_size, extra=extra)
 
 

@@ -16,16 +16,29 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["save_encoders", "model_card", "merged_state_dict", "save_merged", "ADAPTER_FOLDER"]
+__all__ = ["save_encoders", "model_card", "merged_state_dict", "save_merged", "st_embedding_dim", "ADAPTER_FOLDER"]
 
 ADAPTER_FOLDER = "adapter"
+
+
+def st_embedding_dim(model) -> int:
+    """The embedding dimension of a sentence-transformers model or module (its
+    ``get_embedding_dimension`` or, in older releases, ``get_sentence_embedding_dimension`` /
+    ``get_word_embedding_dimension``). ``ds_infcl.adapters.retrieval`` imports it from here."""
+    for name in ("get_embedding_dimension", "get_sentence_embedding_dimension", "get_word_embedding_dimension"):
+        if hasattr(model, name):
+            return getattr(model, name)()
+    raise ValueError(f"cannot tell the embedding dimension of {type(model).__name__}")
+
+
+def _is_lora(model) -> bool:
+    """Whether ``model``'s transformer is wrapped by peft."""
+    return len(model) > 0 and hasattr(getattr(model[0], "model", None), "peft_config")
 
 
 def save_encoders(encoders, path: str, *, loss_name: str = "ds_infcl RetrievalLoss",
                   batch_size: Optional[int] = None, extra: Optional[Dict[str, object]] = None) -> List[str]:
     """Write ``encoders``' sentence-transformers folder(s) (see ``RetrievalEncoders.save``)."""
-    from ds_infcl.adapters.retrieval import _is_lora
-
     info = {"loss": loss_name, "global_batch_size": batch_size, "query_prefix": encoders.query_prefix,
             "document_prefix": encoders.document_prefix}
     for key in ("query_template", "document_template", "task_description", "lora"):
@@ -118,8 +131,6 @@ def save_merged(model, target: str) -> None:
 
 def model_card(info: Dict[str, object], model, separate: bool, target: str) -> str:
     """The README.md of an exported folder: loss, batch, dimension, prefixes, usage."""
-    from ds_infcl.adapters.retrieval import _embedding_dim
-
     lines = [
         "---",
         "library_name: sentence-transformers",
@@ -131,7 +142,7 @@ def model_card(info: Dict[str, object], model, separate: bool, target: str) -> s
         "",
         f"- Loss: **{info['loss']}** (exact InfoNCE over the global batch, Inf-CL tiled LSE)",
         f"- Global batch size: **{info['global_batch_size']}** query/document pairs per step",
-        f"- Embedding dimension: {_embedding_dim(model)}",
+        f"- Embedding dimension: {st_embedding_dim(model)}",
         f"- Query prefix: {info['query_prefix']!r}; document prefix: {info['document_prefix']!r}",
     ]
     for k, v in info.items():

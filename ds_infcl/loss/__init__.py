@@ -7,7 +7,7 @@ implementations (Inf-CL and the baselines), SigLIP's sigmoid loss (``siglip_loss
 from ds_infcl.loss import baselines as _baselines  # noqa: F401
 from ds_infcl.loss import retrieval as _retrieval  # noqa: F401
 from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_loss, lse, positive_logits
-from ds_infcl.loss.module import ClipLoss, ContrastiveLoss
+from ds_infcl.loss.module import ContrastiveLoss
 from ds_infcl.loss.factory import build_loss, check_loss
 from ds_infcl.loss.registry import (
     LossSettings, available_loss_impls, available_loss_modules, get_loss_impl, register_loss_impl, register_loss_module,
@@ -17,7 +17,6 @@ from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, buil
 from ds_infcl.ring.groups import group_rank, group_size, resolve_group
 
 __all__ = [
-    "ClipLoss",
     "ContrastiveLoss",
     "FastCLIPLoss",
     "available_fastclip_losses",

@@ -14,7 +14,7 @@ from ds_infcl.loss.registry import get_loss_impl
 from ds_infcl.ops.lse import BACKENDS
 from ds_infcl.ops.validation import check_tile_size
 
-__all__ = ["ContrastiveLoss", "ClipLoss"]
+__all__ = ["ContrastiveLoss"]
 
 
 class ContrastiveLoss(nn.Module):
@@ -37,8 +37,10 @@ class ContrastiveLoss(nn.Module):
     Inputs: ``query [b, c]``, ``key [m, c]``, optional ``labels [b]``.
     Returns: the global loss (0-dim float32).
 
-    Relations: ``ContrastiveLoss(symmetric=True)`` equals OpenCLIP's ``ClipLoss`` with
-    ``local_loss=True, gather_with_grad=True``; ``symmetric=False`` with a fixed scale of 20
+    Relations: ``ContrastiveLoss()`` (symmetric, the CLIP loss) equals OpenCLIP's ``ClipLoss`` with
+    ``local_loss=True, gather_with_grad=True`` (OpenCLIP users who want its constructor and
+    ``forward(image_features, text_features, logit_scale)`` import the drop-in
+    ``ds_infcl.adapters.open_clip_loss.ClipLoss``, the package's only ``ClipLoss``); ``symmetric=False`` with a fixed scale of 20
     equals sentence-transformers' ``MultipleNegativesRankingLoss``.
 
     Example::
@@ -97,11 +99,3 @@ class ContrastiveLoss(nn.Module):
             f"symmetric={self.symmetric}, impl={self.impl!r}, backend={self.backend!r}, "
             f"max_logit_scale={self.max_logit_scale:.4f}"
         )
-
-
-class ClipLoss(ContrastiveLoss):
-    """Symmetric image-text loss with a learnable temperature (``ContrastiveLoss(symmetric=True)``)."""
-
-    def __init__(self, **kwargs):
-        kwargs.setdefault("symmetric", True)
-        super().__init__(**kwargs)

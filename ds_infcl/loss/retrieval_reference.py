@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ds_infcl.loss.retrieval import _prefix, check_matryoshka
+from ds_infcl.loss.matryoshka import check_matryoshka, matryoshka_prefix
 
 __all__ = ["retrieval_loss_reference"]
 
@@ -46,7 +46,7 @@ def retrieval_loss_reference(
         terms = [(q64, k64, 1.0)]
     else:
         dims, weights = check_matryoshka(matryoshka_dims, matryoshka_weights, q64.shape[1])
-        terms = [(_prefix(q64, d, normalize), _prefix(k64, d, normalize), w) for d, w in zip(dims, weights)]
+        terms = [(matryoshka_prefix(q64, d, normalize), matryoshka_prefix(k64, d, normalize), w) for d, w in zip(dims, weights)]
     total = torch.zeros((), dtype=torch.float64, device=q64.device)
     for q, k, w in terms:
         x = s * q @ k.T

@@ -36,16 +36,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    # ``from ds_infcl.train import SyntheticTask`` worked when the synthetic task lived here; it is
-    # now ``ds_infcl.tasks.synthetic.SyntheticTask`` (loaded on first use, like every task).
-    if name == "SyntheticTask":
-        from importlib import import_module
-
-        return import_module("ds_infcl.tasks.synthetic").SyntheticTask
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def train(*args, **kwargs):
     """``ds_infcl.train.loop.train`` (imported lazily: it imports deepspeed)."""
     from ds_infcl.train.loop import train as _train

@@ -58,9 +58,6 @@ def _rank_main(stage: int, out_dir: str) -> None:
 
 
 def test_st_trainer_deepspeed_zero2(tmp_path):
-    pytest.importorskip("datasets")
-    pytest.importorskip("accelerate")
-    pytest.importorskip("deepspeed")
     import socket
 
     with socket.socket() as s:

@@ -177,8 +177,6 @@ def test_sampler_validation():
 
 
 def test_chatterbot_split_by_question():
-    pytest.importorskip("chatterbot_corpus")
-    pytest.importorskip("yaml")
     from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split
 
     with warnings.catch_warnings():

@@ -10,8 +10,6 @@ from tests.adapters.test_retrieval_common import make_tiny_model_dir
 
 
 def test_demo_pipeline_on_tiny_model(tmp_path):
-    pytest.importorskip("chatterbot_corpus")
-    pytest.importorskip("yaml")
     from ds_infcl.adapters.retrieval import positive_id_matrix
     from ds_infcl.demos.retrieval import run_demo
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+import ds_infcl.loss
 from ds_infcl.loss import (
-    ClipLoss,
     ContrastiveLoss,
     available_loss_impls,
     clip_loss,
@@ -44,16 +44,26 @@ def test_module_learnable_scale_init_clamp_and_grad():
     assert loss_fn.logit_scale.grad.item() == 0.0  # the clamp is active
 
 
-def test_fixed_scale_module_and_clip_alias():
+def test_fixed_scale_module_and_clip_functional():
     loss_fn = ContrastiveLoss(symmetric=False, learnable_scale=False, init_logit_scale=math.log(20.0))
     assert not any(p.requires_grad for p in loss_fn.parameters())
     q, k = _qk(4, 9)
     ref = contrastive_loss_reference(q.double(), k.double(), 20.0)
     assert loss_fn(q, k).item() == pytest.approx(ref.item(), rel=1e-5)
-    assert ClipLoss().symmetric
     assert clip_loss(q, k[:4], 5.0).item() == pytest.approx(
         contrastive_loss_reference(q.double(), k[:4].double(), 5.0, symmetric=True).item(), rel=1e-5
     )
+
+
+def test_the_default_module_is_the_clip_loss():
+    # ContrastiveLoss() is the symmetric CLIP loss; ds_infcl.loss has no ClipLoss of its own (the
+    # package's only ClipLoss is the OpenCLIP drop-in, ds_infcl.adapters.open_clip_loss.ClipLoss).
+    loss_fn = ContrastiveLoss()
+    assert loss_fn.symmetric
+    q, k = _qk(5, 5)
+    ref = contrastive_loss_reference(q.double(), k.double(), 1 / 0.07, symmetric=True)
+    assert loss_fn(q, k).item() == pytest.approx(ref.item(), rel=1e-5)
+    assert not hasattr(ds_infcl.loss, "ClipLoss") and "ClipLoss" not in ds_infcl.loss.__all__
 
 
 def test_functional_lse_matches_reference():

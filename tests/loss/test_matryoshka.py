@@ -23,8 +23,8 @@ from ds_infcl.loss.retrieval import (
     keys_and_labels,
     matryoshka_retrieval_loss,
     retrieval_loss,
-    retrieval_loss_reference,
 )
+from ds_infcl.loss.retrieval_reference import retrieval_loss_reference
 from tests.adapters.test_retrieval_common import make_tiny_model_dir, random_texts
 from tests.ops.accuracy import error_bound, rel_err
 from tests.ring.ring_harness import spawn

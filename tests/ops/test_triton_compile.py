@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-
-triton = pytest.importorskip("triton")
+import triton
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

@@ -18,10 +18,8 @@ import sys
 import pytest
 import torch
 
-from ds_infcl.ops import lse_reference, tiled_lse
+from ds_infcl.ops import lse_reference, tiled_lse, triton_lse
 from tests.ops.accuracy import FP32_RTOL, error_bound, features, rel_err
-
-triton_lse = pytest.importorskip("ds_infcl.ops.triton_lse")
 
 if os.environ.get("TRITON_INTERPRET", "0") != "1":  # pragma: no cover - set by tests/conftest.py
     pytest.skip("Triton kernels run on CPU only under TRITON_INTERPRET=1", allow_module_level=True)

@@ -8,7 +8,6 @@ from ds_infcl.tasks.base import get_task
 
 
 def test_batches_towers_and_lora():
-    pytest.importorskip("peft")
     task = get_task("bench_decoder", {"arch": "tiny", "seq_len": 12, "num_negatives": 2,
                                       "lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}})
     batch = next(task.batches(rank=1, world_size=2, local_batch_size=3, start_step=2, seed=0))

@@ -61,7 +61,6 @@ def _run(tmp, name, *, world, grad_cache, task_args=None, ds="zero2.json"):
 
 
 def test_engine_two_ranks_grad_cache_equals_one_process(tmp_path):
-    pytest.importorskip("deepspeed")
     make_tiny_model_dir(str(tmp_path / "tiny"))
     _data(tmp_path / "train.jsonl")
     single = _run(tmp_path, "single", world=1, grad_cache=False)
@@ -198,7 +197,6 @@ def test_lora_decoder_under_zero_matches_one_process(tmp_path, zero):
     # instruction template on queries) with LoRA adapters, trained by the engine on 2 ranks with
     # GradCache under ZeRO-2 / ZeRO-3: the loss trajectory of one process without GradCache; the
     # export reloads in sentence-transformers and carries the adapter alone too.
-    pytest.importorskip("peft")
     from tests.adapters.test_decoder_embedders import make_tiny_decoder_dir
 
     make_tiny_decoder_dir(str(tmp_path / "tiny"), "qwen2")

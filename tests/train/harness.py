@@ -110,10 +110,3 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
-
-def ring_available() -> bool:
-    try:
-        from ds_infcl.loss.ring import ring_infonce  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -4,8 +4,9 @@ One 2-rank launch runs every case in sequence (ZeRO 0/1/2/3 x fp32/bf16, GradCac
 and 3, each optimizer, the first half of a resumed run), one single-process launch gives the
 references, then a second 2-rank launch resumes, and two launchers with one hostfile simulate two
 nodes. The multi-rank loss is ``test_gather`` (tests/train/driver.py: all-gather with gradient),
-so these tests check the engine whatever the state of the ring; ``infcl`` cases run when
-``ds_infcl.loss.ring`` exists.
+so these tests check the engine whatever the state of the ring; the ``infcl`` cases check the ring
+against it. Every case always runs: a module of the package that fails to import fails the
+launch and with it these tests (never a skip).
 """
 
 import math
@@ -38,18 +39,15 @@ def _grid_jobs():
     # "auto"); the per-chunk path through ZeRO-3's hooks stays tested.
     jobs.append(h.job("gc3_fp32_hooks", "zero3.json", h.SGD + _bf16("fp32"),
                       h.COMMON + GATHER + gc + ["batch.gather_params=false"]))
-    if _fastclip_available():
-        jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
-        jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
+    jobs.append(h.job("fc_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
+    jobs.append(h.job("fc_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP + gc))
     # The CLIP task's export under ZeRO-3 bf16 on 2 ranks (float32 from the master weights).
-    if _clip_task_available():
-        jobs.append(h.job("clip_z3_bf16", "zero3.json", [], CLIP_TASK))
+    jobs.append(h.job("clip_z3_bf16", "zero3.json", [], CLIP_TASK))
     # SigLIP: the loss owns the scale and the bias; both must match one process.
     jobs.append(h.job("sg_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP))
     jobs.append(h.job("sg_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP + gc))
-    if h.ring_available():
-        jobs.append(h.job("infcl_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"]))
-        jobs.append(h.job("infcl_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"] + gc))
+    jobs.append(h.job("infcl_z2", "zero2.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"]))
+    jobs.append(h.job("infcl_gc3", "zero3.json", h.SGD + _bf16("fp32"), h.COMMON + ["loss.impl=infcl"] + gc))
     return jobs
 
 
@@ -114,11 +112,9 @@ def runs(tmp_path_factory):
         "task.name=bench_clip", 'task.args={"arch": "tiny"}', "batch.grad_cache=true", "batch.chunk_size=8",
         "batch.verify_replay=true"]))
     refs.append(h.job("ref_sg", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + SIGLIP))
-    if _fastclip_available():
-        refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
-    if _clip_task_available():
-        refs.append(h.job("clip_task", "zero2.json", [], CLIP_TASK))
-        refs.append(h.job("clip_task_bf16_export", "zero2.json", [], CLIP_TASK + ["checkpoint.export_dtype=bfloat16"]))
+    refs.append(h.job("ref_fc", "zero0.json", h.SGD + _bf16("fp32"), h.COMMON + FASTCLIP))
+    refs.append(h.job("clip_task", "zero2.json", [], CLIP_TASK))
+    refs.append(h.job("clip_task_bf16_export", "zero2.json", [], CLIP_TASK + ["checkpoint.export_dtype=bfloat16"]))
     h.run_jobs(h.write_jobs(out, _digits(refs, out), "one_rank.json"), 1)
     resumed = [h.job(f"resume{stage}{loss}_part", f"zero{stage}.json", RESUME_DS,
                      RESUME + RESUME_LOSS[loss] + ["train.num_steps=6"],
@@ -151,22 +147,6 @@ def _digits(jobs, out):
     for job in jobs:
         job["set"] = [x.replace("DIGITS", str(out / "digits")) for x in job["set"]]
     return jobs
-
-
-def _fastclip_available():
-    try:
-        from ds_infcl.loss import available_fastclip_losses  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _clip_task_available():
-    try:
-        import ds_infcl.tasks.clip  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _two_nodes(out):
@@ -223,8 +203,6 @@ def test_grad_cache_matches_uncached(runs, case):
 
 @pytest.mark.parametrize("case,ref", [("infcl_z2", "z2_fp32"), ("infcl_gc3", "z3_fp32")])
 def test_infcl_matches_gather_reference(runs, case, ref):
-    if not h.ring_available():
-        pytest.skip("ds_infcl.loss.ring is not there yet")
     _assert_close(h.params(runs / "ref_fp32"), h.params(runs / case), "fp32")
 
 
@@ -288,8 +266,6 @@ def test_bench_task_smoke(runs):
 def test_clip_adapter_task_trains_and_exports(runs):
     """The CLIP adapter's task plugs into the trainer: dict batches, GradCache, its evaluation, and
     the final-model export through its save_pretrained."""
-    if not _clip_task_available():
-        pytest.skip("ds_infcl.tasks.clip is not there")
     s = h.summary(runs / "clip_task")
     assert s["steps"] == 2 and s["num_chunks"] == 2
     assert all(torch.isfinite(torch.tensor(s["losses"])))
@@ -329,8 +305,6 @@ def test_export_dtype_rounds_the_masters_once(runs):
 def test_fastclip_loss_matches_single_process(runs, case):
     """FastCLIP v3 (per-sample state, sample indices from the batch, its own temperature update)
     on 2 ranks, uncached under ZeRO-2 and GradCache under ZeRO-3, against one process."""
-    if not _fastclip_available():
-        pytest.skip("ds_infcl.loss.fastclip is not there")
     _assert_close(h.params(runs / "ref_fc"), h.params(runs / case), "fp32")
     assert h.summary(runs / case)["losses"] == pytest.approx(h.summary(runs / "ref_fc")["losses"], rel=1e-5)
     assert h.summary(runs / case)["final_logit_scale"] == pytest.approx(h.summary(runs / "ref_fc")["final_logit_scale"], rel=1e-6)

