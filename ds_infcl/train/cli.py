@@ -62,6 +62,44 @@ def _load_ds_config(path: str, overrides: List[str]) -> dict:
     return ds
 
 
+def _check(cfg, ds_config, args) -> int:
+    """``--check``: every check a run makes before step 1, with nothing written and no process group."""
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    from ds_infcl.train.optim import prepare_optimizer
+    from ds_infcl.tasks.base import check_only, get_task
+    from ds_infcl.train.dist import accelerator_name
+    from ds_infcl.train.preflight import check_at_load
+
+    resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
+    prepare_optimizer(resolved, "cuda")
+    check_at_load(cfg, ds_config, world, device_type=accelerator_name(), resume=args.resume, dry=True,
+                  source=args.deepspeed_config)
+    with check_only():  # validates what the run would read; writes nothing
+        task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
+        task.check_loss(cfg.loss)  # what building the loss would refuse (FastCLIP's num_samples)
+    print(f"ok: world {world}, global batch {layout.global_batch_size} = micro {layout.micro_batch_size}"
+          f" x accumulation {layout.num_chunks} x {world}")
+    return 0
+
+
+def _print_done(summary) -> None:
+    """Rank 0's last line: steps, loss, scale, speed (and model TFLOP/s, MFU), memory, time, eval."""
+    from ds_infcl.train.metrics import format_metrics
+
+    ev = format_metrics(summary.eval)
+    print(
+        f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, scale "
+        f"{summary.final_scale:.2f} (logit_scale {summary.final_logit_scale:.3f}), "
+        f"{summary.samples_per_s:.1f} samples/s"
+        + (f" ({summary.model_tflops_per_gpu:.1f} model TFLOP/s per GPU"
+           + (f", MFU {100 * summary.mfu:.1f}%" if summary.mfu is not None else "") + ")"
+           if summary.model_tflops_per_gpu is not None else "")
+        + ", peak mem "
+        f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),
+        flush=True,
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     # torch's own deprecation notice for the collective DeepSpeed calls, printed by every rank.
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
@@ -81,22 +119,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             resolve_resume(args.resume, cfg.checkpoint_dir, verify=False)  # rank 0 verifies it at load
         if args.check:
-            world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-            from ds_infcl.train.optim import prepare_optimizer
-            from ds_infcl.tasks.base import check_only, get_task
-            from ds_infcl.train.dist import accelerator_name
-            from ds_infcl.train.preflight import check_at_load
-
-            resolved, layout = resolve_deepspeed_config(cfg, ds_config, world, source=args.deepspeed_config)
-            prepare_optimizer(resolved, "cuda")
-            check_at_load(cfg, ds_config, world, device_type=accelerator_name(), resume=args.resume, dry=True,
-                          source=args.deepspeed_config)
-            with check_only():  # validates what the run would read; writes nothing
-                task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
-                task.check_loss(cfg.loss)  # what building the loss would refuse (FastCLIP's num_samples)
-            print(f"ok: world {world}, global batch {layout.global_batch_size} = micro {layout.micro_batch_size}"
-                  f" x accumulation {layout.num_chunks} x {world}")
-            return 0
+            return _check(cfg, ds_config, args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -128,20 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
-        from ds_infcl.train.metrics import format_metrics
-
-        ev = format_metrics(summary.eval)
-        print(
-            f"[ds_infcl] done: {summary.steps} steps, final loss {summary.final_loss:.4f}, scale "
-            f"{summary.final_scale:.2f} (logit_scale {summary.final_logit_scale:.3f}), "
-            f"{summary.samples_per_s:.1f} samples/s"
-            + (f" ({summary.model_tflops_per_gpu:.1f} model TFLOP/s per GPU"
-               + (f", MFU {100 * summary.mfu:.1f}%" if summary.mfu is not None else "") + ")"
-               if summary.model_tflops_per_gpu is not None else "")
-            + ", peak mem "
-            f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),
-            flush=True,
-        )
+        _print_done(summary)
     return 0
 
 

@@ -4,10 +4,8 @@ A run is described by two JSON files: the DeepSpeed config (ZeRO stage, precisio
 scheduler; see ``ds_configs/``) and this run config (task, loss, batch and GradCache chunking,
 data, evaluation, logging, checkpoints). ``load_run_config`` validates the run config at start:
 an unknown key, a wrong type or a value outside its allowed set raises ``ConfigError`` naming the
-key (``batch.chunk_size``) and what is allowed. The DeepSpeed JSON is cross-checked against it in
-``ds_infcl.train.ds_config``.
-
-Example run config (every section is optional except ``batch.global_batch_size`` and
+key (``batch.chunk_size``) and what is allowed (``ds_infcl.train.ds_config`` cross-checks the
+DeepSpeed JSON). Example run config (every section is optional except ``batch.global_batch_size`` and
 ``train.num_steps``; see docs/training.md for all keys)::
 
     {

@@ -9,10 +9,8 @@
 - ``train_step()``: one optimizer step (``forward_backward_step`` runs the step of
   ``train/steps.py``: uncached or GradCache), timed, checked for a finite loss and logged.
 - ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules.
-- ``stop_requested()``: at the step boundary the ranks agree whether any of them got SIGTERM,
-  SIGINT or SIGHUP (or lost its launcher); then every rank saves there (``checkpoint.on_signal``)
-  and ``fit`` raises ``StopRun`` (train/signals.py), which the CLI turns into exit code 128 + the
-  signal number.
+- ``stop_requested()``: whether any rank got SIGTERM/SIGINT/SIGHUP or lost its launcher; then all
+  save there (``checkpoint.on_signal``) and ``fit`` raises ``StopRun`` (exit 128 + the signal).
 - ``close()``: the progress watchdog stopped, the data stream closed, the metrics logger closed,
   the engine destroyed. ``__exit__`` runs it, so a step that raises leaves no watchdog thread
   behind in a caller that catches the error (a benchmark loop, a notebook, the tests).
@@ -158,8 +156,7 @@ class Trainer:
         self._closed = False
         init_distributed(cfg.dist.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # SIGTERM/SIGINT/SIGHUP, or the launcher's death: stop at a step boundary (train/signals.py);
-        # from here on, so that a signal during set-up stops the run too.
+        # A signal or the launcher's death stops the run at a step boundary (train/signals.py).
         self.stop = StopOnSignal(self.rank).install()
         self.device = local_device()
         try:
