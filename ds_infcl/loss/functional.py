@@ -153,16 +153,28 @@ def contrastive_loss(
     Returns:
         0-dim float32 tensor: the global loss, the same value on every rank.
 
+    Under ``torch.compile`` (``fullgraph=True`` too) the single-device ``"infcl"`` loss is two
+    custom ops (``ds_infcl::infonce_forward`` / ``infonce_backward``); the checks of shapes run
+    while tracing and the checks of values (``check_finite``, labels in range) inside the forward
+    op at every call, with the same errors. Distributed calls and the other ``impl`` are not
+    made for the compiler (they read values and communicate on the host).
+
     Raises:
         ValueError: on the bad inputs listed in ``lse``, labels out of range, an unknown ``impl``.
     """
     world = group_size(group)
+    # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
+    in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         fn = get_loss_impl(impl)
         check_tile_size(tile_size)
-        check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1)
+        check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
+                     values=not in_op)
     labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
     scale_t = _as_scale_tensor(scale, query.device)
+    if in_op:
+        return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
+                            tile_size=tile_size, validate=True, check_finite=check_finite)
     return fn(
         query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
         tile_size=tile_size,

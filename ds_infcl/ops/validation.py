@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size",
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_values", "check_features", "check_labels", "check_scale", "check_tile_size",
            "int_setting", "check_choice", "choice_setting", "flag_setting"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -151,13 +151,15 @@ def check_inputs(
     check_finite: bool = True,
     allow_empty: bool = False,
     bias: Optional[Union[float, int, torch.Tensor]] = None,
+    values: bool = True,
 ) -> None:
     """All checks of a loss call: :func:`check_features`, :func:`check_scale` and (if
     ``check_labels``) :func:`check_labels`, with one device-to-host copy for the value checks,
     and none at all when ``check_finite`` is false and no labels are given.
 
     A tensor scale (and a tensor ``bias``, SigLIP's) is checked for NaN/Inf with the features
-    (``check_finite``); on a CPU tensor always.
+    (``check_finite``); on a CPU tensor always. ``values=False`` checks only the structure
+    (shapes, dtypes, devices): the caller then runs :func:`check_values` (inside its op).
     """
     _check_feature_structure(query, key, allow_empty)
     _check_scale_structure(scale)
@@ -165,7 +167,27 @@ def check_inputs(
         _check_scale_structure(bias, "bias")
     if check_labels:
         _check_label_structure(labels, query.shape[0], key.shape[0])
-    _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
+    if values:
+        _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
+
+
+def check_values(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale,
+    labels: Optional[torch.Tensor],
+    num_keys: int,
+    check_finite: bool,
+    bias=None,
+) -> None:
+    """The value checks of :func:`check_inputs` alone (``labels`` in ``[0, num_keys)``, a finite
+    scale and bias, and with ``check_finite`` finite features), with one device-to-host copy.
+
+    What a loss op runs inside itself when it is called from a region that ``torch.compile``
+    traces (``check_inputs(..., values=False)`` there): reading a value back would need a guard on
+    data, so the check moves into the op, where it runs at every call and raises the same errors.
+    """
+    _device_checks(query, key, scale, labels, num_keys, check_finite, bias)
 
 
 def check_features(
