@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
-from ds_infcl.ops import compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
+from ds_infcl.ops import LSEOptions, compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
 from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import agree_on_input_errors, group_size
 
@@ -79,22 +79,17 @@ def lse(
     """
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         check_tile_size(tile_size)
+        options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
+                             tile_size=tile_size)
         check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
                      allow_empty=group_size(group) > 1)
-    if exclude_positive:
-        labels = labels_or_diagonal(labels, query.shape[0], query.device)
+    labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
     scale_t = _as_scale_tensor(scale, query.device)
     if group_size(group) > 1:
         from ds_infcl.loss.ring import ring_lse
 
-        return ring_lse(
-            query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
-            compute_col=compute_col, backend=backend, group=group, tile_size=tile_size,
-        )
-    return tiled_lse(
-        query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
-        compute_col=compute_col, backend=backend, tile_size=tile_size,
-    )
+        return ring_lse(query, key, scale_t, labels, options, group)
+    return tiled_lse(query, key, scale_t, labels, options)
 
 
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):

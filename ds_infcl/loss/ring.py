@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 import torch
 
 from ds_infcl.loss import peer_copy
-from ds_infcl.ops import lse_backward, lse_forward, resolve_backend
+from ds_infcl.ops import LSEOptions, lse_backward, lse_forward, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ops.validation import check_choice, choice_setting, int_setting
 from ds_infcl.ring import (
@@ -91,9 +91,9 @@ def overlap_exchange(layout: RingLayout) -> bool:
     return RING_OVERLAP == "1"
 
 
-def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                  layout: RingLayout, group):
+def _ring_forward(query, key, scale, labels, options: LSEOptions, layout: RingLayout, group):
     b, c = query.shape
+    compute_col = options.compute_col
     overlap = overlap_exchange(layout)
     row = None  # the first block's row statistics start the merge (a fresh float32 tensor)
     cur_key, col_acc = key, None
@@ -111,11 +111,7 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
             recv.append(col_in)
         works = post_ring_shift(send, recv, layout, group) if overlap else None
         own = owner == layout.rank
-        row_t, col_t = lse_forward(
-            query, cur_key, scale, labels=labels if own else None,
-            exclude_positive=exclude_positive and own, compute_col=compute_col,
-            backend=backend, tile_size=tile_size,
-        )
+        row_t, col_t = lse_forward(query, cur_key, scale, labels if own else None, options.on_block(own))
         if works is None:
             works = post_ring_shift(send, recv, layout, group)
         row = row_t if row is None else torch.logaddexp(row, row_t, out=row)
@@ -134,11 +130,14 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
     return row, col
 
 
-def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                   layout: RingLayout, group, row, col, grad_row, grad_col, grad_pos=None):
+def _ring_backward(query, key, scale, labels, options: LSEOptions, layout: RingLayout, group, row, col,
+                   grad_row, grad_col, grad_pos=None):
     # grad_pos: upstream gradient of the positive logits x_{i, labels_i}, added on the own block
     # (the fused InfoNCE of ds_infcl.loss.ring_fused); labels None there means the diagonal.
+    # The blocks' gradients are float32 (options.out_dtype is not used: the sums accumulate).
     b, c = query.shape
+    compute_col = options.compute_col
+    options = options.replace(out_dtype=None)
     m = key.shape[0]
     overlap = overlap_exchange(layout)
     dq = dscale = None  # the first block's results start the sums (fresh float32 tensors)
@@ -168,9 +167,8 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
         own = owner == layout.rank
         dq_t, dk_t, ds_t = lse_backward(
             query, cur_key, scale, row, cur_info[0] if compute_col else None, a,
-            cur_info[1] if compute_col else None, labels=labels if own else None,
-            exclude_positive=exclude_positive and own, grad_pos=grad_pos if own else None,
-            backend=backend, tile_size=tile_size,
+            cur_info[1] if compute_col else None, labels if own else None, grad_pos if own else None,
+            options.on_block(own),
         )
         dq = dq_t if dq is None else dq.add_(dq_t)
         dscale = ds_t if dscale is None else dscale.add_(ds_t)
@@ -198,20 +196,17 @@ class RingLSEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                layout, group):
+    def forward(ctx, query, key, scale, labels, options: LSEOptions, layout, group):
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
-        row, col = _ring_forward(
-            query, key, s, labels, exclude_positive, compute_col, backend, tile_size, layout, group
-        )
+        row, col = _ring_forward(query, key, s, labels, options, layout, group)
         if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
-        ctx.options = (exclude_positive, compute_col, backend, tile_size, layout, group)
+        ctx.options = (options, layout, group)
         ctx.set_materialize_grads(False)
-        if not compute_col:
+        if not options.compute_col:
             ctx.mark_non_differentiable(col)
         return row, col
 
@@ -219,14 +214,14 @@ class RingLSEFunction(torch.autograd.Function):
     def backward(ctx, grad_row, grad_col):
         refuse_double_backward("the distributed lse")
         query, key, labels, row, col, s = ctx.saved_tensors
-        exclude_positive, compute_col, backend, tile_size, layout, group = ctx.options
+        options, layout, group = ctx.options
+        compute_col = options.compute_col
         dq, dk, ds = _ring_backward(
-            query, key, s, labels, exclude_positive, compute_col, backend, tile_size,
-            layout, group, row, col if compute_col else None, grad_row,
+            query, key, s, labels, options, layout, group, row, col if compute_col else None, grad_row,
             grad_col if compute_col else None,
         )
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None
 
 
 def _flags(**options) -> int:
@@ -247,42 +242,30 @@ def _resolve_backend(backend, device, group):
     return got
 
 
-def _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
-                tile_size, layout):
-    row, col = RingLSEFunction.apply(
-        query, key, scale_t, labels, exclude_positive, compute_col, backend, tile_size, layout, group
-    )
-    return row, (col if compute_col else None)
-
-
 def ring_lse(
     query: torch.Tensor,
     key: torch.Tensor,
     scale_t: torch.Tensor,
-    *,
     labels: Optional[torch.Tensor] = None,
-    exclude_positive: bool = False,
-    compute_col: bool = True,
-    backend: str = "auto",
+    options: LSEOptions = LSEOptions(backend="auto"),
     group=None,
-    tile_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Row LSE ``[b]`` over all keys of all ranks and column LSE ``[m]`` over all queries.
 
     Inputs are validated locally by the caller (``ds_infcl.loss.lse``); the cross-rank check of
     dims, dtypes and sizes runs here, on every call, and raises on every rank. ``scale_t`` is a
-    0-dim float tensor. The gradient that reaches rank ``r`` is that of the *sum over ranks* of
-    the objectives built on the outputs (see the module doc for the factor ``W`` of the
-    data-parallel contract).
+    0-dim float tensor; ``options`` (``backend`` may be ``"auto"``) as for ``lse_forward``. The
+    gradient that reaches rank ``r`` is that of the *sum over ranks* of the objectives built on the
+    outputs (see the module doc for the factor ``W`` of the data-parallel contract).
     """
     group = resolve_group(group)
-    backend = _resolve_backend(backend, query.device, group)
+    options = options.replace(backend=_resolve_backend(options.backend, query.device, group))
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=exclude_positive, compute_col=compute_col),
+        flags=_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col),
     )
-    return _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
-                       tile_size, layout)
+    row, col = RingLSEFunction.apply(query, key, scale_t, labels, options, layout, group)
+    return row, (col if options.compute_col else None)
 
 
 # The gather path while its buffers, the gathered keys and their float32 gradient

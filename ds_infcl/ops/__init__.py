@@ -14,6 +14,7 @@ from ds_infcl.ops.lse import (
     resolve_backend,
     tiled_lse,
 )
+from ds_infcl.ops.options import LSEOptions
 from ds_infcl.ops.reference import contrastive_loss_reference, logits_reference, lse_reference
 from ds_infcl.ops.tiled import (
     DEFAULT_TILE,
@@ -28,6 +29,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TILE",
     "InfoNCEFunction",
+    "LSEOptions",
     "TiledLSEFunction",
     "compose_infonce",
     "contrastive_loss_reference",

@@ -33,6 +33,7 @@ import torch
 
 from ds_infcl.ops.infonce_graph import graph_eligible, graph_for
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
+from ds_infcl.ops.options import LSEOptions
 from ds_infcl.ops.validation import check_values
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
@@ -43,48 +44,49 @@ class InfoNCEFunction(torch.autograd.Function):
     LSE vectors and the scale: O((b + m) c)."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size):
+    def forward(ctx, query, key, scale, labels, options: LSEOptions):
         s = scale.detach()
-        graphed = graph_for(query, key, s, labels, symmetric, backend, tile_size,
-                            *_passes(symmetric, backend, tile_size))
+        graphed = graph_for(query, key, s, labels, options.compute_col, options.backend, options.tile_size,
+                            *_passes(options))
         ctx.graph = None
         if graphed is not None:  # a repeated small shape: replayed from CUDA graphs
             loss, row, col, ctx.graph_token = graphed.forward(query, key, s, labels)
             ctx.graph = graphed
         else:
-            loss, row, col = infonce_forward(query, key, s, labels, symmetric=symmetric, backend=backend,
-                                             tile_size=tile_size)
+            loss, row, col = infonce_forward(query, key, s, labels, options)
         if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
-        ctx.options = (symmetric, backend, tile_size)
+        ctx.options = options
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the fused InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
-        symmetric, backend, tile_size = ctx.options
-        col = col if symmetric else None
+        options = ctx.options
+        col = col if options.compute_col else None
         if ctx.graph is not None:
             dq, dk, ds = ctx.graph.backward(ctx.graph_token, query, key, s, labels, row, col, grad)
         else:
-            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size)
+            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, options)
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk, dscale, None, None, None, None
+        return dq, dk, dscale, None, None
 
 
-def _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size):
-    """``(dq, dk, dscale)`` of the InfoNCE with upstream ``grad`` (see the module doc)."""
+def _infonce_backward(query, key, s, labels, row, col, grad, options: LSEOptions):
+    """``(dq, dk, dscale)`` of the InfoNCE with upstream ``grad`` (see the module doc); symmetric
+    when ``options.compute_col``, ``dq`` / ``dk`` in the features' dtype."""
     b, m = query.shape[0], key.shape[0]
+    symmetric = options.compute_col
     grad = grad.float()
     w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
     grad_pos = (grad * (-1.0 / b)).expand(b)
     grad_col = column_weights(w, labels, b, m) if symmetric else None
     return lse_backward(
         query, key, s, row, col, w.expand(b), grad_col,
-        labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
+        labels, grad_pos, options.replace(out_dtype=query.dtype),
     )
 
 
@@ -102,16 +104,21 @@ def column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: i
     return out
 
 
-def _passes(symmetric, backend, tile_size):
+def _passes(options: LSEOptions):
     """The eager forward and backward as functions of tensors only (what a CUDA graph captures)."""
 
     def forward_fn(q, k, s, labels):
-        return infonce_forward(q, k, s, labels, symmetric=symmetric, backend=backend, tile_size=tile_size)
+        return infonce_forward(q, k, s, labels, options)
 
     def backward_fn(q, k, s, labels, row, col, grad):
-        return _infonce_backward(q, k, s, labels, row, col, grad, symmetric, backend, tile_size)
+        return _infonce_backward(q, k, s, labels, row, col, grad, options)
 
     return forward_fn, backward_fn
+
+
+def _options(symmetric: bool, backend: str, tile_size: Optional[int]) -> LSEOptions:
+    # The custom ops take the settings as plain arguments (a schema has no dataclass type).
+    return LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
 
 
 @torch.library.custom_op("ds_infcl::infonce_forward", mutates_args=())
@@ -132,8 +139,7 @@ def _infonce_forward_op(
     values."""
     if validate:
         check_values(query, key, scale, labels, key.shape[0], check_finite)
-    loss, row, col = infonce_forward(query, key, scale, labels, symmetric=symmetric, backend=backend,
-                                     tile_size=tile_size)
+    loss, row, col = infonce_forward(query, key, scale, labels, _options(symmetric, backend, tile_size))
     return loss, row, (row.new_empty((0,)) if col is None else col)
 
 
@@ -160,7 +166,7 @@ def _infonce_backward_op(
     """``(dq [b, c], dk [m, c], dscale [])`` of the InfoNCE with upstream ``grad`` (0-dim); ``dq`` /
     ``dk`` in the features' dtype, ``dscale`` float32 in ``scale``'s shape."""
     dq, dk, ds = _infonce_backward(query, key, scale, labels, row_lse, col_lse if symmetric else None, grad,
-                                   symmetric, backend, tile_size)
+                                   _options(symmetric, backend, tile_size))
     return dq, dk, ds.reshape(scale.shape)
 
 
@@ -216,7 +222,7 @@ def infonce_loss(
     if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
         if validate:
             check_values(query, key, scale, labels, key.shape[0], check_finite)
-        return InfoNCEFunction.apply(query, key, scale, labels, symmetric, backend, tile_size)
+        return InfoNCEFunction.apply(query, key, scale, labels, _options(symmetric, backend, tile_size))
     loss, _, _ = _infonce_forward_op(query, key, scale, labels, symmetric, backend, tile_size, validate,
                                      check_finite)
     return loss

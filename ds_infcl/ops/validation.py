@@ -93,7 +93,7 @@ def _check_scale_structure(scale: Union[float, int, torch.Tensor], name: str = "
         raise ValueError(f"{name} must be a float or a tensor, got {type(scale).__name__}")
 
 
-def _device_checks(
+def check_values(
     query: Optional[torch.Tensor],
     key: Optional[torch.Tensor],
     scale,
@@ -102,8 +102,15 @@ def _device_checks(
     check_finite: bool,
     bias=None,
 ) -> None:
-    """The checks that read tensor values, with a single device-to-host copy for all of them
-    (each readback drains the GPU queue, so a loss call makes at most one)."""
+    """The checks that read tensor values (``labels`` in ``[0, num_keys)``, a finite tensor scale
+    and bias, and with ``check_finite`` finite features), with a single device-to-host copy for
+    all of them (each readback drains the GPU queue, so a loss call makes at most one).
+
+    :func:`check_inputs` runs them after the structure checks. A loss op called from a region that
+    ``torch.compile`` traces runs them inside itself instead (``check_inputs(..., values=False)``
+    there): reading a value back while tracing would need a guard on data, whereas inside the op
+    they run at every call and raise the same errors.
+    """
     names, values = [], []
     if check_finite:
         for name, t in (("query", query), ("key", key)):
@@ -168,26 +175,7 @@ def check_inputs(
     if check_labels:
         _check_label_structure(labels, query.shape[0], key.shape[0])
     if values:
-        _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
-
-
-def check_values(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scale,
-    labels: Optional[torch.Tensor],
-    num_keys: int,
-    check_finite: bool,
-    bias=None,
-) -> None:
-    """The value checks of :func:`check_inputs` alone (``labels`` in ``[0, num_keys)``, a finite
-    scale and bias, and with ``check_finite`` finite features), with one device-to-host copy.
-
-    What a loss op runs inside itself when it is called from a region that ``torch.compile``
-    traces (``check_inputs(..., values=False)`` there): reading a value back would need a guard on
-    data, so the check moves into the op, where it runs at every call and raises the same errors.
-    """
-    _device_checks(query, key, scale, labels, num_keys, check_finite, bias)
+        check_values(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
 
 
 def check_features(
@@ -204,19 +192,19 @@ def check_features(
             empty inputs (unless ``allow_empty``), or rows with NaN/Inf (the count is given).
     """
     _check_feature_structure(query, key, allow_empty)
-    _device_checks(query, key, None, None, key.shape[0], check_finite)
+    check_values(query, key, None, None, key.shape[0], check_finite)
 
 
 def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int) -> None:
     """Check ``labels [b]``: integer indices of each query's positive among the local keys."""
     _check_label_structure(labels, num_queries, num_keys)
-    _device_checks(None, None, None, labels, num_keys, False)
+    check_values(None, None, None, labels, num_keys, False)
 
 
 def check_scale(scale: Union[float, int, torch.Tensor]) -> None:
     """Check that the scale (``1 / temperature``) is a finite number or a one-element tensor."""
     _check_scale_structure(scale)
-    _device_checks(None, None, scale, None, 0, True)
+    check_values(None, None, scale, None, 0, True)
 
 
 def check_tile_size(tile_size) -> None:
