@@ -77,19 +77,21 @@ def lse(
         ValueError: malformed shapes, dims/dtypes that differ, labels out of range, empty inputs,
             non-finite features, an unknown backend.
     """
+    world = group_size(group)
+    in_op = world == 1 and torch.compiler.is_compiling()  # traced: the op checks the values itself
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         check_tile_size(tile_size)
         options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
                              tile_size=tile_size)
         check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
-                     allow_empty=group_size(group) > 1)
+                     allow_empty=world > 1, values=not in_op)
     labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
     scale_t = _as_scale_tensor(scale, query.device)
-    if group_size(group) > 1:
+    if world > 1:
         from ds_infcl.loss.ring import ring_lse
 
         return ring_lse(query, key, scale_t, labels, options, group)
-    return tiled_lse(query, key, scale_t, labels, options)
+    return tiled_lse(query, key, scale_t, labels, options, validate=in_op, check_finite=check_finite)
 
 
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):

@@ -6,7 +6,6 @@ Never imports torch.distributed or deepspeed (DESIGN.md section 1).
 from ds_infcl.ops.infonce import InfoNCEFunction, infonce_loss
 from ds_infcl.ops.lse import (
     BACKENDS,
-    TiledLSEFunction,
     compose_infonce,
     lse_backward,
     lse_forward,
@@ -30,7 +29,6 @@ __all__ = [
     "DEFAULT_TILE",
     "InfoNCEFunction",
     "LSEOptions",
-    "TiledLSEFunction",
     "compose_infonce",
     "contrastive_loss_reference",
     "default_tile_size",

@@ -1,7 +1,9 @@
 """Backend dispatch and the single-device autograd Function of the contrastive LSE op.
 
 ``lse_forward`` / ``lse_backward`` are the block-level entry points (also used by the ring in
-``ds_infcl.loss``); ``TiledLSEFunction`` / ``tiled_lse`` make them differentiable on one device.
+``ds_infcl.loss``); ``tiled_lse`` makes them differentiable on one device, as the custom ops
+``ds_infcl::lse_forward`` / ``lse_backward`` (with fake implementations, so that ``torch.compile``
+traces a caller).
 Their settings travel in one ``LSEOptions`` (``ds_infcl.ops.options``); tensors are arguments.
 
 Backends: ``"torch"`` (tiled PyTorch, any device), ``"triton"`` (fused kernels, CUDA, or the
@@ -18,6 +20,7 @@ import torch
 
 from ds_infcl.ops.options import BACKENDS, LSEOptions
 from ds_infcl.ops.tiled import lse_backward_torch, lse_forward_torch, positive_logits_torch
+from ds_infcl.ops.validation import check_values
 
 Scale = Union[float, torch.Tensor]
 
@@ -30,7 +33,6 @@ __all__ = [
     "positive_logits_forward",
     "infonce_forward",
     "compose_infonce",
-    "TiledLSEFunction",
     "tiled_lse",
 ]
 
@@ -193,39 +195,85 @@ def refuse_double_backward(what: str) -> None:
         )
 
 
-class TiledLSEFunction(torch.autograd.Function):
-    """``(row_lse, col_lse) = f(query, key, scale, labels, options)`` with tile recomputation in
-    backward.
+@torch.library.custom_op("ds_infcl::lse_forward", mutates_args=())
+def _lse_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    exclude_positive: bool,
+    compute_col: bool,
+    backend: str,
+    tile_size: Optional[int],
+    validate: bool,
+    check_finite: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(row_lse [b], col_lse [m] or [0])`` on one device. ``validate``: first run the value
+    checks (``check_values``: labels in range, a finite scale, with ``check_finite`` finite
+    features), here where a compiled caller cannot read values."""
+    if validate:
+        check_values(query, key, scale, labels, key.shape[0], check_finite)
+    options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
+                         tile_size=tile_size)
+    row, col = lse_forward(query, key, scale, labels, options)
+    return row, (row.new_empty((0,)) if col is None else col)
 
-    Saves only ``query``, ``key``, ``labels`` and the two LSE vectors: O((b + m) * c).
-    ``col_lse`` is an empty tensor when ``options.compute_col`` is false.
-    """
 
-    @staticmethod
-    def forward(ctx, query, key, scale, labels, options: LSEOptions):
-        s = scale.detach()  # read by the kernels on the device: no host sync
-        row, col = lse_forward(query, key, s, labels, options)
-        if col is None:
-            col = row.new_empty((0,))
-        ctx.save_for_backward(query, key, labels, row, col, s)
-        ctx.scale_shape = scale.shape
-        ctx.options = options.replace(out_dtype=query.dtype)
-        ctx.set_materialize_grads(False)
-        if not options.compute_col:
-            ctx.mark_non_differentiable(col)
-        return row, col
+@_lse_forward_op.register_fake
+def _(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size, validate, check_finite):
+    f32 = dict(device=query.device, dtype=torch.float32)
+    return query.new_empty((query.shape[0],), **f32), query.new_empty((key.shape[0] if compute_col else 0,), **f32)
 
-    @staticmethod
-    def backward(ctx, grad_row, grad_col):
+
+@torch.library.custom_op("ds_infcl::lse_backward", mutates_args=())
+def _lse_backward_op(
+    grad_row: torch.Tensor,
+    grad_col: Optional[torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor,
+    exclude_positive: bool,
+    backend: str,
+    tile_size: Optional[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dscale)`` of ``sum(grad_row * row_lse) + sum(grad_col * col_lse)`` (``grad_col``
+    ``None``: no column term); ``dq`` / ``dk`` in the features' dtype, ``dscale`` float32 in
+    ``scale``'s shape."""
+    options = LSEOptions(exclude_positive=exclude_positive, backend=backend, tile_size=tile_size,
+                         out_dtype=query.dtype)
+    dq, dk, ds = lse_backward(query, key, scale, row_lse, None if grad_col is None else col_lse, grad_row,
+                              grad_col, labels, options=options)
+    return dq, dk, ds.reshape(scale.shape)
+
+
+@_lse_backward_op.register_fake
+def _(grad_row, grad_col, query, key, scale, labels, row_lse, col_lse, exclude_positive, backend, tile_size):
+    return torch.empty_like(query), torch.empty_like(key), scale.new_empty(scale.shape, dtype=torch.float32)
+
+
+def _lse_setup_context(ctx, inputs, output):
+    query, key, scale, labels, exclude_positive, compute_col, backend, tile_size, _, _ = inputs
+    row, col = output
+    ctx.save_for_backward(query, key, scale.detach(), labels, row, col)
+    ctx.options = (exclude_positive, compute_col, backend, tile_size)
+    if not compute_col:
+        ctx.mark_non_differentiable(col)
+
+
+def _lse_op_backward(ctx, grad_row, grad_col):
+    if not torch.compiler.is_compiling():  # (the compiler traces the backward with grad mode on)
         refuse_double_backward("the fused lse")
-        query, key, labels, row, col, s = ctx.saved_tensors
-        options = ctx.options
-        if not options.compute_col:
-            grad_col = None
-        dq, dk, ds = lse_backward(query, key, s, row, col if options.compute_col else None, grad_row, grad_col,
-                                  labels, options=options)
-        dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk, dscale, None, None
+    query, key, s, labels, row, col = ctx.saved_tensors
+    exclude_positive, compute_col, backend, tile_size = ctx.options
+    dq, dk, ds = _lse_backward_op(grad_row, grad_col if compute_col else None, query, key, s, labels, row, col,
+                                  exclude_positive, backend, tile_size)
+    return (dq, dk, ds if ctx.needs_input_grad[2] else None, None, None, None, None, None, None, None)
+
+
+_lse_forward_op.register_autograd(_lse_op_backward, setup_context=_lse_setup_context)
 
 
 def tiled_lse(
@@ -234,12 +282,21 @@ def tiled_lse(
     scale: Union[float, torch.Tensor],
     labels: Optional[torch.Tensor] = None,
     options: LSEOptions = LSEOptions(backend="auto"),
+    *,
+    validate: bool = False,
+    check_finite: bool = True,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Differentiable single-device LSE op (no validation; see ``ds_infcl.loss.lse``).
-    ``options.backend`` may be ``"auto"``; ``options.out_dtype`` is ignored (the gradients come
-    in the inputs' dtype)."""
-    options = options.replace(backend=resolve_backend(options.backend, query.device))
+    """Differentiable single-device LSE op (no validation unless asked; see ``ds_infcl.loss.lse``):
+    the custom ops ``ds_infcl::lse_forward`` / ``lse_backward`` (what ``torch.compile`` traces).
+    ``options.backend`` may be ``"auto"``; ``options.out_dtype`` is ignored (the gradients come in
+    the inputs' dtype). ``labels`` are read with ``options.exclude_positive`` only. ``validate``
+    runs the value checks (labels in range, a finite scale, with ``check_finite`` finite features)
+    inside the op. The upstream gradient of an unused ``col_lse`` arrives as zeros (custom ops
+    materialize them): use ``compute_col=False`` when the column statistics are not needed."""
+    backend = resolve_backend(options.backend, query.device)
     if not torch.is_tensor(scale):
         scale = torch.full((), float(scale), device=query.device, dtype=torch.float32)
-    row, col = TiledLSEFunction.apply(query, key, scale, labels, options)
+    row, col = _lse_forward_op(query, key, scale, labels if options.exclude_positive else None,
+                               options.exclude_positive, options.compute_col, backend, options.tile_size, validate,
+                               check_finite)
     return row, (col if options.compute_col else None)

@@ -1,9 +1,9 @@
 """A user's training step with our losses under ``torch.compile(fullgraph=True)``, on CPU.
 
-The single-device losses are torch.library custom ops (``ds_infcl::infonce_forward`` /
-``infonce_backward``, ``ds_infcl::siglip_forward`` / ``siglip_backward``) with fake
-implementations, so the compiler traces a step that calls them at default arguments without a
-graph break: the shape checks run while tracing, the value checks (``check_finite=True`` by
+The single-device losses and the LSE op are torch.library custom ops
+(``ds_infcl::infonce_forward`` / ``infonce_backward``, ``ds_infcl::siglip_forward`` /
+``siglip_backward``, ``ds_infcl::lse_forward`` / ``lse_backward``) with fake implementations, so
+the compiler traces a step that calls them at default arguments without a graph break: the shape checks run while tracing, the value checks (``check_finite=True`` by
 default, labels in range) inside the forward op at every call. Each compiled step must give the
 loss and the gradients (towers and logit scale) of the same step run eagerly, and of the
 materialized float64 reference. Before the ops, tracing stopped at the finiteness check's
@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from ds_infcl.loss import ContrastiveLoss, SigLIPLoss, clip_loss, contrastive_loss, siglip_loss
-from ds_infcl.ops import contrastive_loss_reference
+from ds_infcl.loss import ContrastiveLoss, SigLIPLoss, clip_loss, contrastive_loss, lse, siglip_loss
+from ds_infcl.ops import contrastive_loss_reference, lse_reference
 from ds_infcl.ops.siglip import siglip_reference
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -133,6 +133,49 @@ def test_inductor_compiles_the_step():
         torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_batch_size_may_change_between_steps():
+    """A smaller last batch: the compiled step follows (one recompile, then sizes are symbolic)."""
+    for loss_name in ("clip_loss", "siglip_loss"):
+        dynamo.reset()
+        model = Towers(loss_name, "auto")
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        for b in (13, 9, 6):
+            x, y = _inputs(b, b)
+            loss, grads = _loss_and_grads(model, compiled, x, y)
+            eager_loss, eager_grads = _loss_and_grads(model, model, x, y)
+            torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
+            for name in grads:
+                torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
+def test_compiled_lse_matches_eager_and_reference(backend):
+    """The LSE op itself (``ds_infcl.loss.lse``), with and without the positives excluded."""
+    g = torch.Generator().manual_seed(3)
+    q0, k0 = torch.randn(11, 16, generator=g), torch.randn(14, 16, generator=g)
+    labels = torch.tensor([2, 0, 13, 7, 7, 1, 9, 2, 11, 4, 5])
+    wr, wc = torch.randn(11, generator=g), torch.randn(14, generator=g)
+
+    def step(q, k, s, exclude_positive):
+        row, col = lse(q, k, s, labels=labels, exclude_positive=exclude_positive, backend=backend)
+        return (row * wr).sum() + (col * wc).sum()
+
+    for exclude_positive in (False, True):
+        dynamo.reset()
+        results = []
+        for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+            q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+            s = torch.tensor(3.0, requires_grad=True)
+            out = fn(q, k, s, exclude_positive)
+            out.backward()
+            results.append([out.detach(), q.grad, k.grad, s.grad])
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        row_r, col_r = lse_reference(q0.double(), k0.double(), 3.0, labels=labels, exclude_positive=exclude_positive)
+        want = (row_r * wr.double()).sum() + (col_r * wc.double()).sum()
+        torch.testing.assert_close(results[1][0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("loss_name", ["contrastive_loss", "siglip_loss"])
 def test_compiled_step_still_checks_values(loss_name):
     """The value checks run inside the compiled step at every call, with the eager errors."""
@@ -170,7 +213,7 @@ def test_compiled_step_checks_shapes_while_tracing():
 
 
 def test_custom_ops_pass_opcheck():
-    """Schema, fake implementation, autograd registration and AOT dispatch of the four ops."""
+    """Schema, fake implementation, autograd registration and AOT dispatch of the six ops."""
     g = torch.Generator().manual_seed(2)
     q = torch.randn(7, 24, generator=g, requires_grad=True)
     k = torch.randn(9, 24, generator=g, requires_grad=True)
@@ -186,5 +229,11 @@ def test_custom_ops_pass_opcheck():
                           (torch.tensor(0.5), q.detach(), k.detach(), s.detach(), labels, row, col, True, "torch", None))
     qid, kid = labels, torch.arange(9)
     torch.library.opcheck(ops.siglip_forward.default, (q, k, s, t, qid, kid, "torch", None, True, True, True))
+    for compute_col in (False, True):
+        torch.library.opcheck(ops.lse_forward.default, (q, k, s, labels, True, compute_col, "torch", 4, True, True))
+    row, col = ops.lse_forward(q, k, s, labels, True, True, "torch", None, False, True)
+    torch.library.opcheck(ops.lse_backward.default, (torch.randn(7, generator=g), torch.randn(9, generator=g),
+                                                     q.detach(), k.detach(), s.detach(), labels, row.detach(),
+                                                     col.detach(), True, "torch", None))
     torch.library.opcheck(ops.siglip_backward.default,
                           (torch.tensor(0.5), q.detach(), k.detach(), s.detach(), t.detach(), qid, kid, "torch", 4))
