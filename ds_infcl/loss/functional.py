@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
-from ds_infcl.ops import compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
+from ds_infcl.ops import LSEOptions, compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
 from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import agree_on_input_errors, group_size
 
@@ -77,24 +77,21 @@ def lse(
         ValueError: malformed shapes, dims/dtypes that differ, labels out of range, empty inputs,
             non-finite features, an unknown backend.
     """
+    world = group_size(group)
+    in_op = world == 1 and torch.compiler.is_compiling()  # traced: the op checks the values itself
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         check_tile_size(tile_size)
+        options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
+                             tile_size=tile_size)
         check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
-                     allow_empty=group_size(group) > 1)
-    if exclude_positive:
-        labels = labels_or_diagonal(labels, query.shape[0], query.device)
+                     allow_empty=world > 1, values=not in_op)
+    labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
     scale_t = _as_scale_tensor(scale, query.device)
-    if group_size(group) > 1:
+    if world > 1:
         from ds_infcl.loss.ring import ring_lse
 
-        return ring_lse(
-            query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
-            compute_col=compute_col, backend=backend, group=group, tile_size=tile_size,
-        )
-    return tiled_lse(
-        query, key, scale_t, labels=labels, exclude_positive=exclude_positive,
-        compute_col=compute_col, backend=backend, tile_size=tile_size,
-    )
+        return ring_lse(query, key, scale_t, labels, options, group)
+    return tiled_lse(query, key, scale_t, labels, options, validate=in_op, check_finite=check_finite)
 
 
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):
@@ -153,16 +150,28 @@ def contrastive_loss(
     Returns:
         0-dim float32 tensor: the global loss, the same value on every rank.
 
+    Under ``torch.compile`` (``fullgraph=True`` too) the single-device ``"infcl"`` loss is two
+    custom ops (``ds_infcl::infonce_forward`` / ``infonce_backward``); the checks of shapes run
+    while tracing and the checks of values (``check_finite``, labels in range) inside the forward
+    op at every call, with the same errors. Distributed calls and the other ``impl`` are not
+    made for the compiler (they read values and communicate on the host).
+
     Raises:
         ValueError: on the bad inputs listed in ``lse``, labels out of range, an unknown ``impl``.
     """
     world = group_size(group)
+    # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
+    in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         fn = get_loss_impl(impl)
         check_tile_size(tile_size)
-        check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1)
+        check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
+                     values=not in_op)
     labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
     scale_t = _as_scale_tensor(scale, query.device)
+    if in_op:
+        return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
+                            tile_size=tile_size, validate=True, check_finite=check_finite)
     return fn(
         query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
         tile_size=tile_size,

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ds_infcl.ops import lse_backward, lse_forward, positive_logits_forward
+from ds_infcl.ops import LSEOptions, lse_backward, lse_forward, positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 
 __all__ = [
@@ -92,11 +92,11 @@ def gather_forward_fn(symmetric, diagonal, backend, tile_size, offset, m):
     row term ``sum_i (row_i - 2 pos_i)`` when no rank has labels (``merge_fn``; ``pos`` is
     then not returned). This rank's keys are rows ``[offset, offset + m)`` of ``key_all``."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def forward(query, key_all, s, labels):
-        row, col_part = lse_forward(query, key_all, s, compute_col=symmetric, backend=backend,
-                                    tile_size=tile_size)
-        pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, backend=backend,
-                                      tile_size=tile_size)
+        row, col_part = lse_forward(query, key_all, s, None, options)
+        pos = positive_logits_forward(query, key_all[offset: offset + m], s, labels, options)
         return forward_outputs(row, col_part, pos, diagonal)
 
     return forward
@@ -116,9 +116,11 @@ def own_block_fn(symmetric, backend, tile_size):
     ``(row [b], partial column statistics [m] or None, positive logits [b])`` (what a graph
     captures; see ``GatherInfoNCEFunction``'s ``own``)."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def own(query, key, s, labels):
-        row, col = lse_forward(query, key, s, compute_col=symmetric, backend=backend, tile_size=tile_size)
-        pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+        row, col = lse_forward(query, key, s, None, options)
+        pos = positive_logits_forward(query, key, s, labels, options)
         return row, col, pos
 
     return own
@@ -129,13 +131,14 @@ def gather_rest_fn(symmetric, diagonal, backend, tile_size, offset, m):
     queries against the other ranks' keys (rows ``[0, offset)`` and ``[offset + m, M)`` of
     ``key_all``), merged with the own block's statistics into the outputs of ``gather_forward_fn``."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def forward(query, key_all, s, row_own, col_own, pos):
         row, cols = row_own, []
         for lo, hi in ((0, offset), (offset + m, key_all.shape[0])):
             if lo == hi:
                 continue
-            row_t, col_t = lse_forward(query, key_all[lo:hi], s, compute_col=symmetric, backend=backend,
-                                       tile_size=tile_size)
+            row_t, col_t = lse_forward(query, key_all[lo:hi], s, None, options)
             row = torch.logaddexp(row, row_t)
             cols.append(col_t)
         col_part = None
@@ -155,6 +158,8 @@ def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=Non
     ``diagonal_sizes = (query sizes, key sizes)`` (no rank passed labels), every rank's ``w``
     ``[W]``, from which they are formed here (``diagonal_column_weights``)."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def backward(query, key_all, s, row, col, w, grad_col, labels):
         b = query.shape[0]
         if diagonal_sizes is not None:
@@ -163,9 +168,8 @@ def gather_backward_fn(symmetric, backend, tile_size, offset, diagonal_sizes=Non
             labels = labels + offset if offset else labels
         elif offset:
             labels = torch.arange(offset, offset + b, device=query.device)
-        dq, dk_all, dscale = lse_backward(
-            query, key_all, s, row, col, w.expand(b), grad_col, labels=labels,
-            grad_pos=positive_weight(w, b, symmetric), backend=backend, tile_size=tile_size)
+        dq, dk_all, dscale = lse_backward(query, key_all, s, row, col, w.expand(b), grad_col, labels,
+                                          positive_weight(w, b, symmetric), options)
         return dq.to(query.dtype), dk_all, dscale
 
     return backward
@@ -182,6 +186,8 @@ def own_backward_fn(symmetric, backend, tile_size, weight: float):
     the backward scales them once, with the other keys' block, ``rest_backward_fn``), ``dscale``
     ``None``; else the float32 gradients and ``dscale``, ``factor`` ``None``."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def backward(query, key, s, row, col, labels):
         b, m = query.shape[0], key.shape[0]
         w = torch.full((), weight, device=query.device, dtype=torch.float32)
@@ -193,7 +199,7 @@ def own_backward_fn(symmetric, backend, tile_size, weight: float):
 
             dq, dk, factor = lse_backward_triton(*args, labels=labels, grad_pos=grad_pos, unscaled=True)
             return dq, dk, None, factor
-        dq, dk, dscale = lse_backward(*args, labels=labels, grad_pos=grad_pos, backend=backend, tile_size=tile_size)
+        dq, dk, dscale = lse_backward(*args, labels, grad_pos, options)
         return dq, dk, dscale, None
 
     return backward
@@ -231,6 +237,8 @@ def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=No
     ``ds_own``, ``factor``; ``own_share``): with the Triton backend and one range of other keys,
     in the pass that scales this block's ``dq`` (``lse_backward_triton(dq_add=...)``: no pass of its own)."""
 
+    options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
     def backward(query, key_all, s, row, col, w, grad_col, dq_own, ds_own, factor, g):
         b = query.shape[0]
         if diagonal_sizes is not None:
@@ -247,7 +255,7 @@ def rest_backward_fn(symmetric, backend, tile_size, offset, m, diagonal_sizes=No
 
                 dq_t, dk_t, ds_t = lse_backward_triton(*args, dq_add=(torch.empty_like(query), dq_own, g, factor))
             else:
-                dq_t, dk_t, ds_t = lse_backward(*args, backend=backend, tile_size=tile_size)
+                dq_t, dk_t, ds_t = lse_backward(*args, options=options)
             dq, dscale = (dq_t, ds_t) if dq is None else (dq.add_(dq_t), dscale + ds_t)
             dks.append(dk_t)
         if not fused:

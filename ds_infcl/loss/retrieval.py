@@ -34,6 +34,7 @@ reference of both (it imports the Matryoshka checks from ``ds_infcl.loss.matryos
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Optional, Sequence, Tuple
 

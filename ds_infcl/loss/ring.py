@@ -54,7 +54,7 @@ import torch
 from ds_infcl.loss import peer_copy, ring_fused
 from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
 from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
-from ds_infcl.ops import resolve_backend
+from ds_infcl.ops import LSEOptions, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ring import agree_on_input_errors, exchange_layout, group_size, resolve_group
 
@@ -70,20 +70,17 @@ class RingLSEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                layout, group):
+    def forward(ctx, query, key, scale, labels, options: LSEOptions, layout, group):
         s = scale.detach()  # read on the device by the kernels: no host sync
         query, key = query.contiguous(), key.contiguous()
-        row, col = _ring_forward(
-            query, key, s, labels, exclude_positive, compute_col, backend, tile_size, layout, group
-        )
+        row, col = _ring_forward(query, key, s, labels, options, layout, group)
         if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
-        ctx.options = (exclude_positive, compute_col, backend, tile_size, layout, group)
+        ctx.options = (options, layout, group)
         ctx.set_materialize_grads(False)
-        if not compute_col:
+        if not options.compute_col:
             ctx.mark_non_differentiable(col)
         return row, col
 
@@ -91,14 +88,14 @@ class RingLSEFunction(torch.autograd.Function):
     def backward(ctx, grad_row, grad_col):
         refuse_double_backward("the distributed lse")
         query, key, labels, row, col, s = ctx.saved_tensors
-        exclude_positive, compute_col, backend, tile_size, layout, group = ctx.options
+        options, layout, group = ctx.options
+        compute_col = options.compute_col
         dq, dk, ds = _ring_backward(
-            query, key, s, labels, exclude_positive, compute_col, backend, tile_size,
-            layout, group, row, col if compute_col else None, grad_row,
+            query, key, s, labels, options, layout, group, row, col if compute_col else None, grad_row,
             grad_col if compute_col else None,
         )
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None
 
 
 def _flags(**options) -> int:
@@ -119,42 +116,30 @@ def _resolve_backend(backend, device, group):
     return got
 
 
-def _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
-                tile_size, layout):
-    row, col = RingLSEFunction.apply(
-        query, key, scale_t, labels, exclude_positive, compute_col, backend, tile_size, layout, group
-    )
-    return row, (col if compute_col else None)
-
-
 def ring_lse(
     query: torch.Tensor,
     key: torch.Tensor,
     scale_t: torch.Tensor,
-    *,
     labels: Optional[torch.Tensor] = None,
-    exclude_positive: bool = False,
-    compute_col: bool = True,
-    backend: str = "auto",
+    options: LSEOptions = LSEOptions(backend="auto"),
     group=None,
-    tile_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Row LSE ``[b]`` over all keys of all ranks and column LSE ``[m]`` over all queries.
 
     Inputs are validated locally by the caller (``ds_infcl.loss.lse``); the cross-rank check of
     dims, dtypes and sizes runs here, on every call, and raises on every rank. ``scale_t`` is a
-    0-dim float tensor. The gradient that reaches rank ``r`` is that of the *sum over ranks* of
-    the objectives built on the outputs (see the module doc for the factor ``W`` of the
-    data-parallel contract).
+    0-dim float tensor; ``options`` (``backend`` may be ``"auto"``) as for ``lse_forward``. The
+    gradient that reaches rank ``r`` is that of the *sum over ranks* of the objectives built on the
+    outputs (see the module doc for the factor ``W`` of the data-parallel contract).
     """
     group = resolve_group(group)
-    backend = _resolve_backend(backend, query.device, group)
+    options = options.replace(backend=_resolve_backend(options.backend, query.device, group))
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=exclude_positive, compute_col=compute_col),
+        flags=_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col),
     )
-    return _apply_ring(query, key, scale_t, labels, exclude_positive, compute_col, backend, group,
-                       tile_size, layout)
+    row, col = RingLSEFunction.apply(query, key, scale_t, labels, options, layout, group)
+    return row, (col if options.compute_col else None)
 
 
 _LAST = {"algorithm": None}

@@ -63,7 +63,7 @@ from ds_infcl.loss.gather_blocks import (
     own_sums_weight, positive_weight, rest_backward_fn,
 )
 from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
-from ds_infcl.ops import positive_logits_forward
+from ds_infcl.ops import LSEOptions, positive_logits_forward
 from ds_infcl.ops.infonce import column_weights
 from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, outputs_intact, run_graphed
 from ds_infcl.ops.lse import refuse_double_backward
@@ -398,28 +398,30 @@ class RingInfoNCEFunction(torch.autograd.Function):
         s = scale.detach()
         query, key = query.contiguous(), key.contiguous()
         b = query.shape[0]
-        row, col = _ring_forward(query, key, s, None, False, symmetric, backend, tile_size, layout, group)
+        options = LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+        row, col = _ring_forward(query, key, s, None, options, layout, group)
         pos = col_pos = None
         if b:
-            pos = positive_logits_forward(query, key, s, labels, backend=backend, tile_size=tile_size)
+            pos = positive_logits_forward(query, key, s, labels, options)
             col_pos = _positive_rows(col, labels, b) if symmetric else None
         loss = _share_and_sum(row if b else None, col_pos, pos, layout, group, query.device)
         ctx.save_for_backward(query, key, labels, row, col if symmetric else None, s)
         ctx.scale_shape = scale.shape
-        ctx.options = (symmetric, backend, tile_size, layout, group)
+        ctx.options = (options, layout, group)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the distributed InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
-        symmetric, backend, tile_size, layout, group = ctx.options
+        options, layout, group = ctx.options
+        symmetric = options.compute_col
         b, m = query.shape[0], key.shape[0]
         w = _weight(grad, layout, symmetric)
         grad_col = column_weights(w, labels, b, m) if symmetric else None
         dq, dk, ds = _ring_backward(
-            query, key, s, labels, False, symmetric, backend, tile_size, layout, group, row, col,
-            w.expand(b), grad_col, grad_pos=positive_weight(w, b, symmetric),
+            query, key, s, labels, options, layout, group, row, col, w.expand(b), grad_col,
+            grad_pos=positive_weight(w, b, symmetric),
         )
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None, None, None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ds_infcl import settings
-from ds_infcl.ops import lse_backward, lse_forward
+from ds_infcl.ops import LSEOptions, lse_backward, lse_forward
 from ds_infcl.ring import RingLayout, post_ring_shift, wait_all
 
 __all__ = ["RING_OVERLAP", "RING_OVERLAP_MAX_ROWS", "overlap_exchange"]
@@ -43,9 +43,9 @@ def overlap_exchange(layout: RingLayout) -> bool:
     return RING_OVERLAP == "1"
 
 
-def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                  layout: RingLayout, group):
+def _ring_forward(query, key, scale, labels, options: LSEOptions, layout: RingLayout, group):
     b, c = query.shape
+    compute_col = options.compute_col
     overlap = overlap_exchange(layout)
     row = None  # the first block's row statistics start the merge (a fresh float32 tensor)
     cur_key, col_acc = key, None
@@ -63,11 +63,7 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
             recv.append(col_in)
         works = post_ring_shift(send, recv, layout, group) if overlap else None
         own = owner == layout.rank
-        row_t, col_t = lse_forward(
-            query, cur_key, scale, labels=labels if own else None,
-            exclude_positive=exclude_positive and own, compute_col=compute_col,
-            backend=backend, tile_size=tile_size,
-        )
+        row_t, col_t = lse_forward(query, cur_key, scale, labels if own else None, options.on_block(own))
         if works is None:
             works = post_ring_shift(send, recv, layout, group)
         row = row_t if row is None else torch.logaddexp(row, row_t, out=row)
@@ -86,11 +82,14 @@ def _ring_forward(query, key, scale, labels, exclude_positive, compute_col, back
     return row, col
 
 
-def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, backend, tile_size,
-                   layout: RingLayout, group, row, col, grad_row, grad_col, grad_pos=None):
+def _ring_backward(query, key, scale, labels, options: LSEOptions, layout: RingLayout, group, row, col,
+                   grad_row, grad_col, grad_pos=None):
     # grad_pos: upstream gradient of the positive logits x_{i, labels_i}, added on the own block
     # (the fused InfoNCE of ds_infcl.loss.ring_fused); labels None there means the diagonal.
+    # The blocks' gradients are float32 (options.out_dtype is not used: the sums accumulate).
     b, c = query.shape
+    compute_col = options.compute_col
+    options = options.replace(out_dtype=None)
     m = key.shape[0]
     overlap = overlap_exchange(layout)
     dq = dscale = None  # the first block's results start the sums (fresh float32 tensors)
@@ -120,9 +119,8 @@ def _ring_backward(query, key, scale, labels, exclude_positive, compute_col, bac
         own = owner == layout.rank
         dq_t, dk_t, ds_t = lse_backward(
             query, cur_key, scale, row, cur_info[0] if compute_col else None, a,
-            cur_info[1] if compute_col else None, labels=labels if own else None,
-            exclude_positive=exclude_positive and own, grad_pos=grad_pos if own else None,
-            backend=backend, tile_size=tile_size,
+            cur_info[1] if compute_col else None, labels if own else None, grad_pos if own else None,
+            options.on_block(own),
         )
         dq = dq_t if dq is None else dq.add_(dq_t)
         dscale = ds_t if dscale is None else dscale.add_(ds_t)

@@ -225,12 +225,14 @@ def siglip_loss(
             every rank at once.
     """
     world = group_size(group)
+    # Traced by torch.compile on one device, the op checks the values itself (in the graph).
+    in_op = world == 1 and torch.compiler.is_compiling()
     with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_tile_size(tile_size)
         check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
-                     allow_empty=world > 1, bias=bias)
+                     allow_empty=world > 1, bias=bias, values=not in_op)
         _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
         backend = resolve_backend(backend, query.device)
     device = query.device
@@ -238,7 +240,9 @@ def siglip_loss(
     if world == 1:
         qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
                               key_ids=key_ids)
-        return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size)
+        return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
+                                 validate=in_op, check_finite=check_finite,
+                                 check_labels=labels is not None and query_ids is None)
     group = resolve_group(group)
     layout = exchange_layout(query, key, group, protocol="siglip", flags=int(query_ids is not None))
     qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,

@@ -6,7 +6,6 @@ Never imports torch.distributed or deepspeed (DESIGN.md section 1).
 from ds_infcl.ops.infonce import InfoNCEFunction, infonce_loss
 from ds_infcl.ops.lse import (
     BACKENDS,
-    TiledLSEFunction,
     compose_infonce,
     lse_backward,
     lse_forward,
@@ -14,6 +13,7 @@ from ds_infcl.ops.lse import (
     resolve_backend,
     tiled_lse,
 )
+from ds_infcl.ops.options import LSEOptions
 from ds_infcl.ops.reference import contrastive_loss_reference, logits_reference, lse_reference
 from ds_infcl.ops.tiled import (
     DEFAULT_TILE,
@@ -28,7 +28,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TILE",
     "InfoNCEFunction",
-    "TiledLSEFunction",
+    "LSEOptions",
     "compose_infonce",
     "contrastive_loss_reference",
     "default_tile_size",

@@ -16,16 +16,25 @@ the inputs' dtype with bounded float32 scratch. The composition by autograd
 (``ds_infcl.loss.functional.compose_infonce`` over ``tiled_lse``) gives the same values; this
 Function is what the single-device ``infcl`` loss runs: fewer kernel launches (the small-batch
 cost is the host's), and no ``[b, c]`` float32 copies for the positive logits.
+
+The same two passes are also the torch.library custom ops ``ds_infcl::infonce_forward`` and
+``ds_infcl::infonce_backward`` (with fake implementations and an autograd formula), so that
+``torch.compile(fullgraph=True)`` traces a step that calls the loss: the compiler sees two opaque
+ops of known output shapes. ``infonce_loss`` runs the ops, except where a CUDA graph may replay
+the call (eager Triton calls on the current CUDA device, ``ds_infcl.ops.infonce_graph``): those
+keep ``InfoNCEFunction``, whose forward and backward share the graph between them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.infonce_graph import graph_for
+from ds_infcl.ops.infonce_graph import graph_eligible, graph_for
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
+from ds_infcl.ops.options import LSEOptions
+from ds_infcl.ops.validation import check_values
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
 
@@ -35,48 +44,49 @@ class InfoNCEFunction(torch.autograd.Function):
     LSE vectors and the scale: O((b + m) c)."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, symmetric, backend, tile_size):
+    def forward(ctx, query, key, scale, labels, options: LSEOptions):
         s = scale.detach()
-        graphed = graph_for(query, key, s, labels, symmetric, backend, tile_size,
-                            *_passes(symmetric, backend, tile_size))
+        graphed = graph_for(query, key, s, labels, options.compute_col, options.backend, options.tile_size,
+                            *_passes(options))
         ctx.graph = None
         if graphed is not None:  # a repeated small shape: replayed from CUDA graphs
             loss, row, col, ctx.graph_token = graphed.forward(query, key, s, labels)
             ctx.graph = graphed
         else:
-            loss, row, col = infonce_forward(query, key, s, labels, symmetric=symmetric, backend=backend,
-                                             tile_size=tile_size)
+            loss, row, col = infonce_forward(query, key, s, labels, options)
         if col is None:
             col = row.new_empty((0,))
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
-        ctx.options = (symmetric, backend, tile_size)
+        ctx.options = options
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the fused InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
-        symmetric, backend, tile_size = ctx.options
-        col = col if symmetric else None
+        options = ctx.options
+        col = col if options.compute_col else None
         if ctx.graph is not None:
             dq, dk, ds = ctx.graph.backward(ctx.graph_token, query, key, s, labels, row, col, grad)
         else:
-            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size)
+            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, options)
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk, dscale, None, None, None, None
+        return dq, dk, dscale, None, None
 
 
-def _infonce_backward(query, key, s, labels, row, col, grad, symmetric, backend, tile_size):
-    """``(dq, dk, dscale)`` of the InfoNCE with upstream ``grad`` (see the module doc)."""
+def _infonce_backward(query, key, s, labels, row, col, grad, options: LSEOptions):
+    """``(dq, dk, dscale)`` of the InfoNCE with upstream ``grad`` (see the module doc); symmetric
+    when ``options.compute_col``, ``dq`` / ``dk`` in the features' dtype."""
     b, m = query.shape[0], key.shape[0]
+    symmetric = options.compute_col
     grad = grad.float()
     w = grad * ((0.5 if symmetric else 1.0) / b)  # a_i (and b_j per positive) for every row
     grad_pos = (grad * (-1.0 / b)).expand(b)
     grad_col = column_weights(w, labels, b, m) if symmetric else None
     return lse_backward(
         query, key, s, row, col, w.expand(b), grad_col,
-        labels=labels, grad_pos=grad_pos, out_dtype=query.dtype, backend=backend, tile_size=tile_size,
+        labels, grad_pos, options.replace(out_dtype=query.dtype),
     )
 
 
@@ -94,16 +104,96 @@ def column_weights(w: torch.Tensor, labels: Optional[torch.Tensor], b: int, m: i
     return out
 
 
-def _passes(symmetric, backend, tile_size):
+def _passes(options: LSEOptions):
     """The eager forward and backward as functions of tensors only (what a CUDA graph captures)."""
 
     def forward_fn(q, k, s, labels):
-        return infonce_forward(q, k, s, labels, symmetric=symmetric, backend=backend, tile_size=tile_size)
+        return infonce_forward(q, k, s, labels, options)
 
     def backward_fn(q, k, s, labels, row, col, grad):
-        return _infonce_backward(q, k, s, labels, row, col, grad, symmetric, backend, tile_size)
+        return _infonce_backward(q, k, s, labels, row, col, grad, options)
 
     return forward_fn, backward_fn
+
+
+def _options(symmetric: bool, backend: str, tile_size: Optional[int]) -> LSEOptions:
+    # The custom ops take the settings as plain arguments (a schema has no dataclass type).
+    return LSEOptions(compute_col=symmetric, backend=backend, tile_size=tile_size)
+
+
+@torch.library.custom_op("ds_infcl::infonce_forward", mutates_args=())
+def _infonce_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    symmetric: bool,
+    backend: str,
+    tile_size: Optional[int],
+    validate: bool,
+    check_finite: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], row_lse [b], col_lse [m] or [0])``, all float32. ``validate``: first run the
+    value checks of ``ds_infcl.ops.validation.check_values`` (labels out of range, a non-finite
+    scale, and with ``check_finite`` NaN/Inf features), here where a compiled caller cannot read
+    values."""
+    if validate:
+        check_values(query, key, scale, labels, key.shape[0], check_finite)
+    loss, row, col = infonce_forward(query, key, scale, labels, _options(symmetric, backend, tile_size))
+    return loss, row, (row.new_empty((0,)) if col is None else col)
+
+
+@_infonce_forward_op.register_fake
+def _(query, key, scale, labels, symmetric, backend, tile_size, validate, check_finite):
+    f32 = dict(device=query.device, dtype=torch.float32)
+    return (query.new_empty((), **f32), query.new_empty((query.shape[0],), **f32),
+            query.new_empty((key.shape[0] if symmetric else 0,), **f32))
+
+
+@torch.library.custom_op("ds_infcl::infonce_backward", mutates_args=())
+def _infonce_backward_op(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    row_lse: torch.Tensor,
+    col_lse: torch.Tensor,
+    symmetric: bool,
+    backend: str,
+    tile_size: Optional[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [b, c], dk [m, c], dscale [])`` of the InfoNCE with upstream ``grad`` (0-dim); ``dq`` /
+    ``dk`` in the features' dtype, ``dscale`` float32 in ``scale``'s shape."""
+    dq, dk, ds = _infonce_backward(query, key, scale, labels, row_lse, col_lse if symmetric else None, grad,
+                                   _options(symmetric, backend, tile_size))
+    return dq, dk, ds.reshape(scale.shape)
+
+
+@_infonce_backward_op.register_fake
+def _(grad, query, key, scale, labels, row_lse, col_lse, symmetric, backend, tile_size):
+    return (torch.empty_like(query), torch.empty_like(key),
+            scale.new_empty(scale.shape, dtype=torch.float32))
+
+
+def _infonce_setup_context(ctx, inputs, output):
+    query, key, scale, labels, symmetric, backend, tile_size, _, _ = inputs
+    _, row, col = output
+    ctx.save_for_backward(query, key, scale.detach(), labels, row, col)
+    ctx.options = (symmetric, backend, tile_size)
+    ctx.mark_non_differentiable(row, col)
+
+
+def _infonce_op_backward(ctx, grad, _grad_row, _grad_col):
+    if not torch.compiler.is_compiling():  # (the compiler traces the backward with grad mode on)
+        refuse_double_backward("the fused InfoNCE")
+    query, key, s, labels, row, col = ctx.saved_tensors
+    symmetric, backend, tile_size = ctx.options
+    dq, dk, ds = _infonce_backward_op(grad, query, key, s, labels, row, col, symmetric, backend, tile_size)
+    return (dq, dk, ds if ctx.needs_input_grad[2] else None, None, None, None, None, None, None)
+
+
+_infonce_forward_op.register_autograd(_infonce_op_backward, setup_context=_infonce_setup_context)
 
 
 def infonce_loss(
@@ -115,10 +205,24 @@ def infonce_loss(
     symmetric: bool = False,
     backend: str = "auto",
     tile_size: Optional[int] = None,
+    validate: bool = False,
+    check_finite: bool = True,
 ) -> torch.Tensor:
-    """InfoNCE of ``query [b, c]`` against ``key [m, c]`` on one device (no validation; see
-    ``ds_infcl.loss.contrastive_loss``). ``scale`` is a 0-dim float32 tensor (it receives a
-    gradient if it requires one); ``labels [b]`` int64 local indices, or ``None`` for the
-    diagonal (``m >= b``)."""
+    """InfoNCE of ``query [b, c]`` against ``key [m, c]`` on one device (no validation unless
+    asked; see ``ds_infcl.loss.contrastive_loss``). ``scale`` is a 0-dim float32 tensor (it
+    receives a gradient if it requires one); ``labels [b]`` int64 local indices, or ``None`` for
+    the diagonal (``m >= b``). ``validate`` runs the value checks (labels in range, a finite scale,
+    and with ``check_finite`` finite features) inside the op: what a compiled caller uses, since
+    no value may be read back while tracing.
+
+    Runs the custom ops ``ds_infcl::infonce_forward`` / ``infonce_backward``; an eager call that
+    a CUDA graph may replay runs ``InfoNCEFunction`` (see the module doc).
+    """
     backend = resolve_backend(backend, query.device)
-    return InfoNCEFunction.apply(query, key, scale, labels, symmetric, backend, tile_size)
+    if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
+        if validate:
+            check_values(query, key, scale, labels, key.shape[0], check_finite)
+        return InfoNCEFunction.apply(query, key, scale, labels, _options(symmetric, backend, tile_size))
+    loss, _, _ = _infonce_forward_op(query, key, scale, labels, symmetric, backend, tile_size, validate,
+                                     check_finite)
+    return loss

@@ -49,7 +49,7 @@ import torch
 
 from ds_infcl import settings
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
+__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_eligible", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
@@ -188,6 +188,12 @@ def _lookup(k, build, what: Callable[[], str]):
         return None
     _GRAPHS[k] = graphed
     return graphed
+
+
+def graph_eligible(query: torch.Tensor, key: torch.Tensor, backend: str) -> bool:
+    """Whether a single-device InfoNCE call of these inputs may replay from a CUDA graph (never
+    while torch.compile traces: the compiled caller then runs the custom ops)."""
+    return _eligible(query, backend, query.shape[0] * key.shape[0])
 
 
 def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_fn: ForwardFn,

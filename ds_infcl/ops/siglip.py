@@ -1,4 +1,4 @@
-"""SigLIP's pairwise sigmoid loss on one device: reference, tiled PyTorch path, dispatch, Function.
+"""SigLIP's pairwise sigmoid loss on one device: reference, tiled PyTorch path, dispatch, Function, custom ops.
 
 Maths (DESIGN.md section 9). Queries ``q [b, c]``, keys ``k [m, c]``, scale ``s`` and bias ``t``;
 the logits are ``x_ij = s * q_i . k_j + t`` and ``z_ij = +1`` for a positive pair, ``-1`` else.
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ds_infcl.ops.lse import resolve_backend
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
+from ds_infcl.ops.validation import check_values
 
 __all__ = [
     "siglip_ids",
@@ -42,7 +43,6 @@ __all__ = [
     "siglip_backward_torch",
     "siglip_forward",
     "siglip_backward",
-    "SigLIPFunction",
     "siglip_loss_local",
 ]
 
@@ -247,33 +247,77 @@ def siglip_backward(
     return dq, dk, ds, dt
 
 
-class SigLIPFunction(torch.autograd.Function):
-    """Single-device SigLIP loss ``siglip_forward(...) / num_queries`` as one Function.
+@torch.library.custom_op("ds_infcl::siglip_forward", mutates_args=())
+def _siglip_forward_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    backend: str,
+    tile_size: Optional[int],
+    validate: bool,
+    check_finite: bool,
+    check_labels: bool,
+) -> torch.Tensor:
+    """0-dim float32 SigLIP loss of one device, ``siglip_forward(...) / b``. ``validate``: first
+    run ``check_values`` (a finite scale and bias, with ``check_finite`` finite features, and with
+    ``check_labels`` the query ids, which are then labels, in ``[0, m)``), here where a compiled
+    caller cannot read values."""
+    if validate:
+        check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
+    total = siglip_forward(query, key, scale, bias, query_ids, key_ids, backend=backend, tile_size=tile_size)
+    return total / query.shape[0]
 
-    Saves ``query``, ``key`` and the ids: ``O((b + m) c)``. Gradients of the features come out in
-    their dtype; those of the scale and the bias in the shape they came in.
-    """
 
-    @staticmethod
-    def forward(ctx, query, key, scale, bias, query_ids, key_ids, num_queries, backend, tile_size):
-        s, t = scale.detach(), bias.detach()  # read on the device by the kernels: no host sync
-        query, key = query.contiguous(), key.contiguous()
-        total = siglip_forward(query, key, s, t, query_ids, key_ids, backend=backend, tile_size=tile_size)
-        ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
-        ctx.options = (num_queries, backend, tile_size, scale.shape, bias.shape)
-        return total / num_queries
+@_siglip_forward_op.register_fake
+def _(query, key, scale, bias, query_ids, key_ids, backend, tile_size, validate, check_finite, check_labels):
+    return query.new_empty((), dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, s, t, query_ids, key_ids = ctx.saved_tensors
-        num_queries, backend, tile_size, s_shape, t_shape = ctx.options
-        weight = grad.float() / num_queries
-        dq, dk, ds, dt = siglip_backward(
-            query, key, s, t, query_ids, key_ids, weight, backend=backend, tile_size=tile_size,
-            out_dtype=query.dtype,
-        )
-        return (dq, dk, ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
-                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None, None, None, None, None, None)
+
+@torch.library.custom_op("ds_infcl::siglip_backward", mutates_args=())
+def _siglip_backward_op(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    backend: str,
+    tile_size: Optional[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dscale, dbias)`` of the op's loss with upstream ``grad``: the features' gradients
+    in their dtype, those of the scale and the bias float32 in their shapes."""
+    weight = grad.float() / query.shape[0]
+    dq, dk, ds, dt = siglip_backward(query, key, scale, bias, query_ids, key_ids, weight, backend=backend,
+                                     tile_size=tile_size, out_dtype=query.dtype)
+    # (an op's outputs may not alias one another: the Triton path's ds and dt are views of one sum)
+    return dq, dk, ds.reshape(scale.shape), dt.reshape(bias.shape).clone()
+
+
+@_siglip_backward_op.register_fake
+def _(grad, query, key, scale, bias, query_ids, key_ids, backend, tile_size):
+    return (torch.empty_like(query), torch.empty_like(key), scale.new_empty(scale.shape, dtype=_F32),
+            bias.new_empty(bias.shape, dtype=_F32))
+
+
+def _siglip_setup_context(ctx, inputs, output):
+    query, key, scale, bias, query_ids, key_ids, backend, tile_size, _, _, _ = inputs
+    ctx.save_for_backward(query, key, scale.detach(), bias.detach(), query_ids, key_ids)
+    ctx.options = (backend, tile_size)
+
+
+def _siglip_op_backward(ctx, grad):
+    query, key, s, t, query_ids, key_ids = ctx.saved_tensors
+    backend, tile_size = ctx.options
+    dq, dk, ds, dt = _siglip_backward_op(grad, query, key, s, t, query_ids, key_ids, backend, tile_size)
+    return (dq, dk, ds if ctx.needs_input_grad[2] else None, dt if ctx.needs_input_grad[3] else None,
+            None, None, None, None, None, None, None)
+
+
+_siglip_forward_op.register_autograd(_siglip_op_backward, setup_context=_siglip_setup_context)
 
 
 def siglip_loss_local(
@@ -286,9 +330,16 @@ def siglip_loss_local(
     *,
     backend: str = "auto",
     tile_size: Optional[int] = None,
+    validate: bool = False,
+    check_finite: bool = True,
+    check_labels: bool = False,
 ) -> torch.Tensor:
-    """The SigLIP loss of one device (validated inputs; ``scale`` / ``bias`` 0-dim float32
-    tensors that may require grad)."""
+    """The SigLIP loss of one device (``scale`` / ``bias`` 0-dim float32 tensors that may require
+    grad), the custom ops ``ds_infcl::siglip_forward`` / ``siglip_backward`` (what
+    ``torch.compile`` traces: two opaque ops of known output shapes). The inputs are validated by
+    the caller, except for the value checks with ``validate`` (a finite scale and bias, and with
+    ``check_finite`` finite features, with ``check_labels`` the query ids, made from labels, in
+    ``[0, m)``), which then run inside the forward op."""
     backend = resolve_backend(backend, query.device)
-    return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, query.shape[0], backend,
-                                tile_size)
+    return _siglip_forward_op(query.contiguous(), key.contiguous(), scale, bias, query_ids, key_ids, backend,
+                              tile_size, validate, check_finite, check_labels)

@@ -11,7 +11,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_features", "check_labels", "check_scale", "check_tile_size"]
+__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_values", "check_features", "check_labels", "check_scale",
+           "check_tile_size"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,7 +92,7 @@ def _check_scale_structure(scale: Union[float, int, torch.Tensor], name: str = "
         raise ValueError(f"{name} must be a float or a tensor, got {type(scale).__name__}")
 
 
-def _device_checks(
+def check_values(
     query: Optional[torch.Tensor],
     key: Optional[torch.Tensor],
     scale,
@@ -100,8 +101,15 @@ def _device_checks(
     check_finite: bool,
     bias=None,
 ) -> None:
-    """The checks that read tensor values, with a single device-to-host copy for all of them
-    (each readback drains the GPU queue, so a loss call makes at most one)."""
+    """The checks that read tensor values (``labels`` in ``[0, num_keys)``, a finite tensor scale
+    and bias, and with ``check_finite`` finite features), with a single device-to-host copy for
+    all of them (each readback drains the GPU queue, so a loss call makes at most one).
+
+    :func:`check_inputs` runs them after the structure checks. A loss op called from a region that
+    ``torch.compile`` traces runs them inside itself instead (``check_inputs(..., values=False)``
+    there): reading a value back while tracing would need a guard on data, whereas inside the op
+    they run at every call and raise the same errors.
+    """
     names, values = [], []
     if check_finite:
         for name, t in (("query", query), ("key", key)):
@@ -149,13 +157,15 @@ def check_inputs(
     check_finite: bool = True,
     allow_empty: bool = False,
     bias: Optional[Union[float, int, torch.Tensor]] = None,
+    values: bool = True,
 ) -> None:
     """All checks of a loss call: :func:`check_features`, :func:`check_scale` and (if
     ``check_labels``) :func:`check_labels`, with one device-to-host copy for the value checks,
     and none at all when ``check_finite`` is false and no labels are given.
 
     A tensor scale (and a tensor ``bias``, SigLIP's) is checked for NaN/Inf with the features
-    (``check_finite``); on a CPU tensor always.
+    (``check_finite``); on a CPU tensor always. ``values=False`` checks only the structure
+    (shapes, dtypes, devices): the caller then runs :func:`check_values` (inside its op).
     """
     _check_feature_structure(query, key, allow_empty)
     _check_scale_structure(scale)
@@ -163,7 +173,8 @@ def check_inputs(
         _check_scale_structure(bias, "bias")
     if check_labels:
         _check_label_structure(labels, query.shape[0], key.shape[0])
-    _device_checks(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
+    if values:
+        check_values(query, key, scale, labels if check_labels else None, key.shape[0], check_finite, bias)
 
 
 def check_features(
@@ -180,19 +191,19 @@ def check_features(
             empty inputs (unless ``allow_empty``), or rows with NaN/Inf (the count is given).
     """
     _check_feature_structure(query, key, allow_empty)
-    _device_checks(query, key, None, None, key.shape[0], check_finite)
+    check_values(query, key, None, None, key.shape[0], check_finite)
 
 
 def check_labels(labels: Optional[torch.Tensor], num_queries: int, num_keys: int) -> None:
     """Check ``labels [b]``: integer indices of each query's positive among the local keys."""
     _check_label_structure(labels, num_queries, num_keys)
-    _device_checks(None, None, None, labels, num_keys, False)
+    check_values(None, None, None, labels, num_keys, False)
 
 
 def check_scale(scale: Union[float, int, torch.Tensor]) -> None:
     """Check that the scale (``1 / temperature``) is a finite number or a one-element tensor."""
     _check_scale_structure(scale)
-    _device_checks(None, None, scale, None, 0, True)
+    check_values(None, None, scale, None, 0, True)
 
 
 def check_tile_size(tile_size) -> None:

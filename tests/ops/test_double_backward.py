@@ -5,7 +5,7 @@ error (torch backend) or silently missing terms (Triton kernels build no graph).
 import pytest
 import torch
 
-from ds_infcl.ops import tiled_lse
+from ds_infcl.ops import LSEOptions, tiled_lse
 from ds_infcl.loss import contrastive_loss
 
 
@@ -17,7 +17,7 @@ def test_second_derivative_is_a_clear_error(backend):
     loss = contrastive_loss(q, k, scale, symmetric=True, backend=backend)
     with pytest.raises(RuntimeError, match=r"the fused InfoNCE is differentiable once.*create_graph"):
         torch.autograd.grad(loss, q, create_graph=True)
-    row, col = tiled_lse(q, k, scale, compute_col=True, backend=backend)
+    row, col = tiled_lse(q, k, scale, options=LSEOptions(compute_col=True, backend=backend))
     with pytest.raises(RuntimeError, match=r"the fused lse is differentiable once"):
         torch.autograd.grad(row.sum() + col.sum(), q, create_graph=True)
     # once, as usual

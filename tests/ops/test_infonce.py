@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ds_infcl.ops import (
+    LSEOptions,
     contrastive_loss_reference,
     infonce_loss,
     logits_reference,
@@ -130,11 +131,11 @@ def test_backward_positive_term_and_out_dtype(backend, exclude_positive, out_dty
     for dtype in (torch.float32, torch.float16):
         qd, kd = q.to(dtype), k.to(dtype)
         want = _op_objective_grads(qd.double(), kd.double(), 6.0, wr, wc, wp, labels, exclude_positive)
-        row, col = lse_forward(qd, kd, 6.0, labels=labels, exclude_positive=exclude_positive, backend=backend)
+        row, col = lse_forward(qd, kd, 6.0, labels, LSEOptions(exclude_positive=exclude_positive, backend=backend))
         dq, dk, ds = lse_backward(
-            qd, kd, torch.tensor(6.0), row, col, wr.float(), wc.float(), labels=labels,
-            exclude_positive=exclude_positive, grad_pos=wp.float(),
-            out_dtype=dtype if out_dtype == "input" else None, backend=backend,
+            qd, kd, torch.tensor(6.0), row, col, wr.float(), wc.float(), labels=labels, grad_pos=wp.float(),
+            options=LSEOptions(exclude_positive=exclude_positive, out_dtype=dtype if out_dtype == "input" else None,
+                               backend=backend),
         )
         expect = dtype if out_dtype == "input" else torch.float32
         assert dq.dtype == dk.dtype == expect and ds.dtype == torch.float32
@@ -154,7 +155,7 @@ def test_positive_logits(backend, b, m, c, kind):
     labels = _labels(kind, b, m)
     lab = torch.arange(b) if labels is None else labels
     want = logits_reference(q, k, 3.5)[torch.arange(b), lab]
-    got = positive_logits_forward(q.float(), k.float(), torch.tensor(3.5), labels, backend=backend)
+    got = positive_logits_forward(q.float(), k.float(), torch.tensor(3.5), labels, LSEOptions(backend=backend))
     assert got.dtype == torch.float32 and got.shape == (b,)
     assert rel_err(got, want) <= 1e-6
 

@@ -12,7 +12,7 @@ error, the same rule as for the half dtypes.
 import pytest
 import torch
 
-from ds_infcl.ops import contrastive_loss_reference, lse_reference, tiled_lse
+from ds_infcl.ops import LSEOptions, contrastive_loss_reference, lse_reference, tiled_lse
 from ds_infcl.loss import contrastive_loss
 from tests.ops.accuracy import FP32_RTOL, error_bound, features, rel_err
 
@@ -117,7 +117,7 @@ def test_lse_vectors_and_arbitrary_upstream_weights(b, m, exclude_positive):
     qt, kt = q.float().requires_grad_(), k.float().requires_grad_()
     st = torch.tensor(3.0, requires_grad=True)
     row_t, col_t = tiled_lse(
-        qt, kt, st, labels=labels, exclude_positive=exclude_positive, backend="torch", tile_size=16
+        qt, kt, st, labels, LSEOptions(exclude_positive=exclude_positive, backend="torch", tile_size=16)
     )
     assert row_t.dtype == torch.float32 and col_t.dtype == torch.float32
     assert torch.equal(torch.isinf(row_t), torch.isinf(row_r)) and torch.equal(torch.isinf(col_t), torch.isinf(col_r))
@@ -135,7 +135,7 @@ def test_lse_vectors_and_arbitrary_upstream_weights(b, m, exclude_positive):
 def test_row_only_op_skips_column_and_float_scale_gets_no_grad():
     q, k = features(9, 11, 3)
     qt = q.float().requires_grad_()
-    row, col = tiled_lse(qt, k.float(), 2.0, compute_col=False, backend="torch", tile_size=4)
+    row, col = tiled_lse(qt, k.float(), 2.0, options=LSEOptions(compute_col=False, backend="torch", tile_size=4))
     assert col is None
     row.sum().backward()
     row_r, _ = lse_reference(q, k, 2.0)

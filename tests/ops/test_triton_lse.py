@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from ds_infcl.ops import lse_reference, tiled_lse, triton_lse
+from ds_infcl.ops import LSEOptions, lse_reference, tiled_lse, triton_lse
 from tests.ops.accuracy import FP32_RTOL, error_bound, features, rel_err
 
 if os.environ.get("TRITON_INTERPRET", "0") != "1":  # pragma: no cover - set by tests/conftest.py
@@ -214,7 +214,7 @@ def test_autograd_function_with_triton_backend():
                         exclude_positive=True, upcast=True, dtype=torch.float32)
     qt, kt = q.float().requires_grad_(), k.float().requires_grad_()
     st = torch.tensor(7.0, requires_grad=True)
-    row, col = tiled_lse(qt, kt, st, labels=labels, exclude_positive=True, backend="triton")
+    row, col = tiled_lse(qt, kt, st, labels, LSEOptions(exclude_positive=True, backend="triton"))
     ((row * -2.5).sum() + (col * 0.4).sum()).backward()
     for got, want in ((row, ref[0]), (col, ref[1]), (qt.grad, ref[2]), (kt.grad, ref[3]), (st.grad, ref[4])):
         assert rel_err(got, want) <= FP32_RTOL

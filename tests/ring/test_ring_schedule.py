@@ -12,6 +12,7 @@ import torch
 
 import ds_infcl.loss.algorithm as algorithm
 import ds_infcl.loss.ring_steps as steps
+from ds_infcl.ops import LSEOptions
 from ds_infcl.ring import RingLayout
 
 WORLD, RANK = 3, 1
@@ -31,13 +32,13 @@ def recorder(monkeypatch):
         if works:
             events.append(("wait",))
 
-    def forward(query, key, scale, **kw):
-        events.append(("compute", key.shape[0], kw["exclude_positive"]))
-        col = torch.zeros(key.shape[0]) if kw["compute_col"] else None
+    def forward(query, key, scale, labels, options):
+        events.append(("compute", key.shape[0], options.exclude_positive))
+        col = torch.zeros(key.shape[0]) if options.compute_col else None
         return torch.zeros(query.shape[0]), col
 
-    def backward(query, key, scale, row, col, grad_row, grad_col, **kw):
-        events.append(("compute", key.shape[0], kw["exclude_positive"]))
+    def backward(query, key, scale, row, col, grad_row, grad_col, labels, grad_pos, options):
+        events.append(("compute", key.shape[0], options.exclude_positive))
         return torch.zeros(query.shape[0], C), torch.zeros(key.shape[0], C), torch.zeros(())
 
     monkeypatch.setattr(steps, "post_ring_shift", post)
@@ -77,7 +78,7 @@ def overlap(request, monkeypatch):
 
 def test_forward_schedule(recorder, overlap):
     q, k = _inputs()
-    steps._ring_forward(q, k, 2.0, None, True, True, "torch", None, _layout(), None)
+    steps._ring_forward(q, k, 2.0, None, LSEOptions(exclude_positive=True), _layout(), None)
     bf16, f32 = torch.bfloat16, torch.float32
     owners = [(RANK - t) % WORLD for t in range(WORLD)]  # 1, 0, 2
     expected = [
@@ -100,8 +101,8 @@ def test_forward_schedule(recorder, overlap):
 def test_backward_schedule(recorder, overlap):
     q, k = _inputs()
     row, col = torch.zeros(QUERY_SIZES[RANK]), torch.zeros(KEY_SIZES[RANK])
-    dq, dk, ds = steps._ring_backward(q, k, 2.0, None, False, True, "torch", None, _layout(),
-                                         None, row, col, torch.ones_like(row), None)
+    dq, dk, ds = steps._ring_backward(q, k, 2.0, None, LSEOptions(), _layout(), None, row, col,
+                                         torch.ones_like(row), None)
     assert dq.shape == (QUERY_SIZES[RANK], C) and dk.shape == (KEY_SIZES[RANK], C)
     assert dq.dtype == dk.dtype == torch.float32
     bf16, f32 = torch.bfloat16, torch.float32
