@@ -293,8 +293,9 @@ def _siglip_backward_op(
     weight = grad.float() / query.shape[0]
     dq, dk, ds, dt = siglip_backward(query, key, scale, bias, query_ids, key_ids, weight, backend=backend,
                                      tile_size=tile_size, out_dtype=query.dtype)
-    # (an op's outputs may not alias one another: the Triton path's ds and dt are views of one sum)
-    return dq, dk, ds.reshape(scale.shape), dt.reshape(bias.shape).clone()
+    # ds and dt may be views of one sum (the Triton backward's): each its own tensor, whose storage
+    # starts at offset 0 (a custom op's outputs may not alias, and inductor checks their alignment).
+    return dq, dk, ds.reshape(scale.shape).clone(), dt.reshape(bias.shape).clone()
 
 
 @_siglip_backward_op.register_fake
