@@ -21,7 +21,10 @@ Example::
     SentenceTransformer("runs/embedder")          # the trained weights
 
 The weights are the 16-bit copies that DeepSpeed gathers (bf16 or fp16 under mixed precision,
-float32 otherwise), as ``transformers.Trainer`` saves them for any model under ZeRO-3.
+float32 otherwise), as ``transformers.Trainer`` saves them for any model under ZeRO-3. The model
+card is written without its usage snippet's computed similarities: computing them runs a forward
+on the saving rank alone, a collective under ZeRO-3 (sentence-transformers' own trainer hangs
+there).
 """
 
 from __future__ import annotations
@@ -83,5 +86,15 @@ class SentenceTransformerTrainer(_STTrainer):
                 f'"zero_optimization": {{"{GATHER_FLAG}": true}} in the DeepSpeed config (without it each rank '
                 "holds only its partition, and the folder would hold empty tensors)"
             )
-        with full_weights(self.model, state_dict):
-            super()._save(output_dir, state_dict=state_dict)
+        # The model card's usage snippet encodes three sentences: a forward on this rank alone, which
+        # under ZeRO-3 gathers parameters (a collective the other ranks never join: a hang).
+        card = getattr(self.model, "model_card_data", None)
+        widget = getattr(card, "generate_widget_examples", None)
+        if widget is not None:
+            card.generate_widget_examples = False
+        try:
+            with full_weights(self.model, state_dict):
+                super()._save(output_dir, state_dict=state_dict)
+        finally:
+            if widget is not None:
+                card.generate_widget_examples = widget

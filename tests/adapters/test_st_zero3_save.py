@@ -31,7 +31,7 @@ def _rank_main(out_dir: str) -> None:
 
     from ds_infcl.adapters.retrieval import load_sentence_transformer
     from ds_infcl.adapters.st_loss import InfCLMultipleNegativesRankingLoss
-    from sentence_transformers import SentenceTransformerTrainer
+    from ds_infcl.adapters.st_trainer import SentenceTransformerTrainer
     from tests.adapters.test_retrieval_common import make_tiny_model_dir, random_texts
 
     rank = int(os.environ.get("RANK", 0))
