@@ -238,7 +238,7 @@ def _parquet_records(path: str, offset: int, chunk: int) -> Iterator[Tuple[str, 
                 row += 1
 
 
-def _wds_records(path: str, offset: int, tally: MalformedTally) -> Iterator[Tuple[str, Any]]:
+def _wds_records(path: str, offset: int) -> Iterator[Tuple[str, Any]]:
     report = ShardReport(path)
     n = 0
     for sample in iter_shard_samples(path, report, sample_exts=("json",)):
@@ -254,8 +254,12 @@ def _wds_records(path: str, offset: int, tally: MalformedTally) -> Iterator[Tupl
             yield location, json.loads(raw.decode("utf-8-sig"))
         except (ValueError, UnicodeDecodeError):
             yield location, "invalid JSON"
-    if report.damaged:  # the rest of the shard is lost; how many is unknown without a manifest
-        _report(tally, "unreadable shard", f"{report.where()}; read {report.num_samples} samples")
+    if report.damaged:
+        # The rest of the shard is lost (how many is unknown without a manifest). The damage is one
+        # more record, so that a reader resumed past it does not count it again.
+        n += 1
+        if n > offset:
+            yield f"{report.where()}; read {report.num_samples} samples", "unreadable shard"
 
 
 def _hf_records(files: Sequence[str], offset: int) -> Iterator[Tuple[str, Any]]:
@@ -309,7 +313,7 @@ class SourceReader:
         if fmt == "parquet":
             return _parquet_records(unit, self.offset, self.read_ahead)
         if fmt == "wds":
-            return _wds_records(unit, self.offset, self.tally)
+            return _wds_records(unit, self.offset)
         return _hf_records(unit, self.offset)
 
     def _fill(self) -> None:

@@ -243,3 +243,29 @@ def test_bad_source_specs_name_what_is_wrong(tmp_path):
     for spec, message in cases:
         with pytest.raises(ValueError, match=message):
             parse_sources(spec)
+
+
+def test_a_damaged_shard_is_counted_once_per_pass_also_across_a_resume(tmp_path):
+    write_retrieval_shards([RetrievalExample(**_rec("W", i)) for i in range(27)], str(tmp_path / "w"),
+                           samples_per_shard=9)
+    shard = tmp_path / "w" / "retrieval-000001.tar"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)  # a member cut short: the shard's rest is lost
+    kwargs = dict(window=0, read_ahead=4, shuffle_files=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = PairStream([{"path": str(tmp_path / "w")}], 4, **kwargs)
+        reference = [[_key(ex) for ex in full.next_global_batch()[1]] for _ in range(12)]
+        read = sum(1 for b in reference for k in b if "retrieval-000001" in k[4])
+        assert 0 < read < 2 * 9  # part of the damaged shard was read, in each of 2 passes
+        passes = full.readers[0].epoch + (full.readers[0].file_pos >= 2)
+        assert full.tally.counts["unreadable shard"] == passes
+        assert any("retrieval-000001.tar at byte" in w for w in full.tally.where)
+        for stop in range(1, 12):
+            first = PairStream([{"path": str(tmp_path / "w")}], 4, **kwargs)
+            for _ in range(stop):
+                first.next_global_batch()
+            resumed = PairStream([{"path": str(tmp_path / "w")}], 4, **kwargs)
+            resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+            assert [[_key(ex) for ex in resumed.next_global_batch()[1]] for _ in range(12 - stop)] == reference[stop:]
+            assert resumed.tally.counts == full.tally.counts, stop
