@@ -138,10 +138,15 @@ def test_two_ranks_resume_mid_epoch_gives_the_uninterrupted_losses(tmp_path):
     pytest.importorskip("deepspeed")
     make_tiny_model_dir(str(tmp_path / "tiny"))
     sources = _write_sources(tmp_path)  # 120 examples; 6 steps of 8 read 48: mid-epoch throughout
+    sources[2]["weight"] = 2.0  # the source whose neighbours share a positive: the step-3 checkpoint
+    # holds a deferred example (checked on the stream: deferrals 0, 1, 2 after steps 1-3, one pending)
     full, _ = _run(tmp_path, "full", sources, num_steps=6)
     # Resume from the uninterrupted run's step-3 checkpoint (3 of its 6 global batches done).
     ckpt = os.path.join(tmp_path, "full", "checkpoints", "step00000003")
     assert os.path.isdir(ckpt), os.listdir(os.path.join(tmp_path, "full"))
+    client = torch.load(os.path.join(ckpt, "mp_rank_00_model_states.pt"), weights_only=False)
+    position = client["ds_infcl"]["task_state"]["stream"]
+    assert position["step"] == 3 and position["stream"]["deferred"]  # mid-epoch, an example deferred
     resumed, log = _run(tmp_path, "resumed", sources, num_steps=6, resume=ckpt)
     assert "reading 3 global batches again" not in log  # the position came from the checkpoint
     assert resumed["start_step"] == 3 and len(full["losses"]) == 6 and len(resumed["losses"]) == 3
