@@ -156,3 +156,51 @@ def test_two_ranks_resume_mid_epoch_gives_the_uninterrupted_losses(tmp_path):
     # The data counts carry over the checkpoint: the resumed run reports the whole run's.
     assert resumed["data"] == full["data"]
     assert full["data"]["malformed_records"] == 1 and full["data"]["deferred_examples"] > 0
+
+
+@pytest.mark.slow
+def test_the_docs_pretraining_recipe_trains_an_embedder_from_a_parquet_folder(tmp_path):
+    """docs/retrieval.md "Pretraining on a pair corpus": its run config, with the paths pointed at
+    small local sources and a CPU-sized batch, trains and exports a sentence-transformers folder."""
+    pytest.importorskip("deepspeed")
+    import re
+
+    from ds_infcl.data.retrieval import RetrievalExample, write_retrieval_shards
+
+    text = open(os.path.join(ROOT, "docs", "retrieval.md")).read()
+    section = text.split("## Pretraining on a pair corpus", 1)[1]
+    cfg = json.loads(re.search(r"\*\*2\. The run config\*\*.*?```json\n(.*?)```", section, re.S).group(1))
+    make_tiny_model_dir(str(tmp_path / "tiny"))
+    mine = _write_sources(tmp_path)
+    os.makedirs(tmp_path / "qa")
+    os.replace(tmp_path / "b.jsonl.gz", tmp_path / "qa" / "b.jsonl.gz")
+    t = random_texts(90, 9)
+    write_retrieval_shards([RetrievalExample(query=t[i], pos=[t[30 + i]], neg=[t[60 + i]]) for i in range(30)],
+                           str(tmp_path / "code"), samples_per_shard=8)
+    args = cfg["task"]["args"]
+    paths = {"web": mine[0]["path"], "qa": str(tmp_path / "qa" / "*.jsonl.gz"), "code": str(tmp_path / "code")}
+    for source in args["sources"]:
+        source["path"] = paths[source["name"]]
+    args.update(model_path=str(tmp_path / "tiny"), window=8, read_ahead=4, max_seq_length=16)
+    cfg["batch"].update(global_batch_size=8, chunk_size=4)
+    cfg["train"]["num_steps"] = 2
+    cfg["checkpoint"]["every_steps"] = 0
+    cfg["logging"] = {"progress_bar": False}
+    cfg["output_dir"] = str(tmp_path / "run")
+    with open(tmp_path / "pretrain.json", "w") as f:
+        json.dump(cfg, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "ds_infcl.train", "--deepspeed_config",
+                           os.path.join(ROOT, "ds_configs", "zero2.json"), "--ds-set", "bf16.enabled=false",
+                           "--ds-set", "optimizer.params.torch_adam=true", "--config", str(tmp_path / "pretrain.json")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2
+    assert sum(v for k, v in summary["data"].items() if k.startswith("examples/")) == 16
+
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(tmp_path / "run" / "final_model"))
+    assert model.encode(["red sun"]).shape == (1, 32)
