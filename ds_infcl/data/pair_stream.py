@@ -18,8 +18,9 @@ Each source is an endless reader: at the end of its files it starts its next *ep
 order reshuffled from the seed, for the local formats). Its position is ``(epoch, file index,
 record offset)``, where the offset counts raw records (malformed ones included), so a reader
 re-opened at a position continues with exactly the next record: parquet seeks to the row group
-and slices; jsonl, jsonl.gz and shards skip the records before the offset; an HF stream skips
-``offset`` rows (``IterableDataset.skip``).
+and slices; jsonl, jsonl.gz and shards skip the records before the offset; an HF stream loads its
+own ``state_dict()`` taken at the start of the read-ahead chunk, then skips the rows of the chunk
+already taken (fewer than ``read_ahead``).
 
 :class:`PairStream` mixes the sources into *global* batches (all ranks together):
 
@@ -262,16 +263,46 @@ def _wds_records(path: str, offset: int) -> Iterator[Tuple[str, Any]]:
             yield f"{report.where()}; read {report.num_samples} samples", "unreadable shard"
 
 
-def _hf_records(files: Sequence[str], offset: int) -> Iterator[Tuple[str, Any]]:
-    import datasets
+class _HFRecords:
+    """The rows of an HF ``datasets`` stream from ``offset``. ``mark = (row, state)`` is a row
+    number with the stream's own ``state_dict()`` there: from it the stream resumes without
+    reading the rows before (``load_state_dict``), then skips ``offset - row`` rows; without a mark
+    it reads and skips ``offset`` rows."""
 
-    builder = "parquet" if files[0].endswith(".parquet") else "json"
-    ds = datasets.load_dataset(builder, data_files=list(files), split="train", streaming=True)
-    if offset:
-        ds = ds.skip(offset)
-    label = files[0] if len(files) == 1 else f"{os.path.dirname(files[0]) or '.'} ({len(files)} files)"
-    for n, row in enumerate(ds, start=offset):
-        yield f"hf:{label}#{n}", _no_nulls(dict(row))
+    def __init__(self, files: Sequence[str], offset: int, mark: Optional[Tuple[int, Dict[str, Any]]] = None):
+        import datasets
+
+        builder = "parquet" if files[0].endswith(".parquet") else "json"
+        self.ds = datasets.load_dataset(builder, data_files=list(files), split="train", streaming=True)
+        self.label = files[0] if len(files) == 1 else f"{os.path.dirname(files[0]) or '.'} ({len(files)} files)"
+        self.offset = offset
+        self._opened_at: Tuple[int, Optional[Dict[str, Any]]] = (0, None)
+        if mark is not None and mark[1] is not None and mark[0] <= offset:
+            self._opened_at = (int(mark[0]), mark[1])
+            self.ds.load_state_dict(mark[1])
+        self.pos = self._opened_at[0]  # the stream's next row
+        self._pulled = False
+        self._it = self._rows()
+
+    def _rows(self) -> Iterator[Tuple[str, Any]]:
+        for row in self.ds:
+            n, self.pos, self._pulled = self.pos, self.pos + 1, True
+            if n >= self.offset:
+                yield f"hf:{self.label}#{n}", _no_nulls(dict(row))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Tuple[str, Any]:
+        return next(self._it)
+
+    def mark(self) -> Tuple[int, Optional[Dict[str, Any]]]:
+        """``(row, state)``: the stream's next row and its ``state_dict()`` there (plain values).
+        Before the first row is read, ``state_dict()`` would not yet reflect a loaded state: the
+        mark the stream was opened with is returned (``state`` ``None``: the stream's start)."""
+        if not self._pulled:
+            return self._opened_at
+        return self.pos, json.loads(json.dumps(self.ds.state_dict()))
 
 
 class SourceReader:
@@ -298,6 +329,7 @@ class SourceReader:
         self.buffer: Deque[Tuple[str, Any]] = deque()
         self._it: Optional[Iterator[Tuple[str, Any]]] = None
         self._file_done = False  # the current file has no record left beyond the buffer
+        self.hf_mark: Optional[Tuple[int, Optional[Dict[str, Any]]]] = None  # hf: (row, stream state there)
 
     def _order(self) -> List[Any]:
         order = list(self.units)
@@ -314,7 +346,7 @@ class SourceReader:
             return _parquet_records(unit, self.offset, self.read_ahead)
         if fmt == "wds":
             return _wds_records(unit, self.offset)
-        return _hf_records(unit, self.offset)
+        return _HFRecords(unit, self.offset, self.hf_mark)
 
     def _fill(self) -> None:
         """Refill the empty buffer with up to ``read_ahead`` records, moving to the next file
@@ -325,6 +357,8 @@ class SourceReader:
                 self._next_file()
             if self._it is None:
                 self._it = self._open()
+            if isinstance(self._it, _HFRecords):  # the buffer is empty: a resume may start here
+                self.hf_mark = self._it.mark()
             for item in self._it:
                 self.buffer.append(item)
                 if len(self.buffer) >= self.read_ahead:
@@ -333,7 +367,7 @@ class SourceReader:
                 self._it, self._file_done = None, True
 
     def _next_file(self) -> None:
-        self.file_pos, self.offset = self.file_pos + 1, 0
+        self.file_pos, self.offset, self.hf_mark = self.file_pos + 1, 0, None
         if self.file_pos == len(self.units):
             if self.valid_in_epoch == 0:
                 raise ValueError(
@@ -364,12 +398,17 @@ class SourceReader:
             return ex
 
     def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "file_pos": self.file_pos, "offset": self.offset,
-                "valid_in_epoch": self.valid_in_epoch}
+        state = {"epoch": self.epoch, "file_pos": self.file_pos, "offset": self.offset,
+                 "valid_in_epoch": self.valid_in_epoch}
+        if self.hf_mark is not None:
+            state["hf_mark"] = [self.hf_mark[0], self.hf_mark[1]]
+        return state
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.epoch, self.file_pos = int(state["epoch"]), int(state["file_pos"])
         self.offset, self.valid_in_epoch = int(state["offset"]), int(state["valid_in_epoch"])
+        mark = state.get("hf_mark")
+        self.hf_mark = (int(mark[0]), mark[1]) if mark is not None else None
         if not 0 <= self.file_pos < len(self.units):
             raise ValueError(f"source {self.source.name!r}: saved file position {self.file_pos} but the source has "
                              f"{len(self.units)} file(s); resume with the sources of the saved run")

@@ -269,3 +269,29 @@ def test_a_damaged_shard_is_counted_once_per_pass_also_across_a_resume(tmp_path)
             resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
             assert [[_key(ex) for ex in resumed.next_global_batch()[1]] for _ in range(12 - stop)] == reference[stop:]
             assert resumed.tally.counts == full.tally.counts, stop
+
+
+def test_an_hf_stream_resumes_from_its_own_state_at_every_position(tmp_path):
+    pytest.importorskip("datasets")
+    _write_parquet(tmp_path / "h", "H", 30, files=2, row_group=4)
+    spec = [{"path": str(tmp_path / "h"), "format": "hf"}]
+    kwargs = dict(window=2, read_ahead=4)
+    full = PairStream(spec, 3, **kwargs)
+    reference = [[_key(ex) for ex in full.next_global_batch()[1]] for _ in range(25)]  # 2.5 passes
+    for stop in range(1, 25):
+        first = PairStream(spec, 3, **kwargs)
+        for _ in range(stop):
+            first.next_global_batch()
+        state = json.loads(json.dumps(first.state_dict()))
+        row, hf_state = state["readers"][0]["hf_mark"]
+        # the position is the stream's own state at the read-ahead chunk's start, plus a few rows
+        assert 0 <= state["readers"][0]["offset"] - row <= 4
+        assert (hf_state is None) == (row == 0)
+        resumed = PairStream(spec, 3, **kwargs)
+        resumed.load_state_dict(state)
+        got = [[_key(ex) for ex in resumed.next_global_batch()[1]] for _ in range(min(2, 25 - stop))]
+        # a resumed stream saved and resumed again (its marks come from a stream that loaded a state)
+        again = PairStream(spec, 3, **kwargs)
+        again.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
+        got += [[_key(ex) for ex in again.next_global_batch()[1]] for _ in range(25 - stop - len(got))]
+        assert got == reference[stop:], stop
