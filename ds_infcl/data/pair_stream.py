@@ -161,6 +161,8 @@ def parse_sources(specs: Sequence[Any]) -> List[PairSource]:
         paths = spec["path"]
         first = os.fspath(paths if isinstance(paths, (str, os.PathLike)) else (list(paths) or [""])[0])
         fmt = spec.get("format")
+        if fmt is None and not any(ch in first for ch in "*?[{") and not os.path.exists(first):
+            raise ValueError(f"{where}: {first!r} does not exist; give a file, a folder or a glob pattern")
         if fmt is None:
             fmt = _infer_format(first)
             if fmt is None and os.path.isdir(first):

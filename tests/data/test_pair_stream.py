@@ -233,6 +233,7 @@ def test_bad_source_specs_name_what_is_wrong(tmp_path):
     cases = [
         ([], "non-empty list"),
         ([{"path": str(tmp_path / "missing.jsonl")}], "does not exist"),
+        ([{"path": str(tmp_path / "missing_folder")}], "missing_folder' does not exist"),
         ([{"path": str(tmp_path / "ok.jsonl"), "weight": 0}], "'weight' must be a positive number"),
         ([{"path": str(tmp_path / "ok.jsonl"), "format": "csv"}], r"unknown format 'csv'; choose one of"),
         ([{"path": str(tmp_path / "ok.jsonl"), "wieght": 1}], r"unknown key\(s\) \['wieght'\]"),
