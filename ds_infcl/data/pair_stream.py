@@ -38,13 +38,16 @@ already taken (fewer than ``read_ahead``).
   batch: no communication, the same batch order on every rank, at the cost of each rank reading
   (and parsing) the whole stream: ``world_size`` times the reading of one reader.
 
+Each source may draw its examples from a seeded shuffle buffer of ``shuffle_buffer`` examples
+(webdataset's ``shuffle(n)``); by default examples come in the files' order.
+
 Host memory is bounded by construction, and the bound is checked: the examples held at any time
-(the read-ahead buffers, at most ``read_ahead`` per source; the deferred buffer, at most
-``window``; the global batch being built) never exceed
-``held_bound = global_batch_size + window + read_ahead * len(sources) + 1``; ``peak_held`` is the
+(the read-ahead buffers, at most ``read_ahead`` per source; the shuffle buffers; the deferred
+buffer, at most ``window``; the global batch being built) never exceed
+``held_bound = global_batch_size + window + (read_ahead + shuffle_buffer) * len(sources) + 1``; ``peak_held`` is the
 largest number observed, and a count above the bound raises ``RuntimeError``.
 
-The position, the RNG counters, the deferred examples themselves (at most ``window``) and the
+The position, the RNG counters, the deferred and shuffle-buffer examples themselves and the
 counts are :meth:`PairStream.state_dict` (plain lists, dicts, strings and numbers):
 ``load_state_dict`` continues with exactly the batches an uninterrupted stream would give.
 
@@ -316,8 +319,12 @@ class SourceReader:
     """
 
     def __init__(self, source: PairSource, index: int, *, seed: int, tally: MalformedTally,
-                 read_ahead: int = 256, shuffle_files: bool = True, require_negative: bool = False):
+                 read_ahead: int = 256, shuffle_files: bool = True, require_negative: bool = False,
+                 shuffle_buffer: int = 0):
         self.source = source
+        self.shuffle_buffer = shuffle_buffer
+        self.pool: List[RetrievalExample] = []  # the shuffle buffer (at most shuffle_buffer examples)
+        self.shuffle_draws = 0
         self.index = index
         self.seed = seed
         self.tally = tally
@@ -380,6 +387,20 @@ class SourceReader:
             self.epoch, self.file_pos, self.valid_in_epoch = self.epoch + 1, 0, 0
 
     def next_example(self) -> RetrievalExample:
+        """The next example: in read order, or, with a shuffle buffer, one drawn from a pool of
+        ``shuffle_buffer`` examples (webdataset's ``shuffle(n)``), refilled from the read order."""
+        if not self.shuffle_buffer:
+            return self._next_valid()
+        while len(self.pool) < self.shuffle_buffer:
+            self.pool.append(self._next_valid())
+        i = random.Random(f"{self.seed}:shuffle:{self.index}:{self.shuffle_draws}").randrange(len(self.pool))
+        self.shuffle_draws += 1
+        ex = self.pool[i]
+        self.pool[i] = self.pool[-1]
+        self.pool.pop()
+        return ex
+
+    def _next_valid(self) -> RetrievalExample:
         while True:
             self._fill()
             location, obj = self.buffer.popleft()
@@ -399,9 +420,12 @@ class SourceReader:
             self.valid_in_epoch += 1
             return ex
 
-    def state_dict(self) -> Dict[str, int]:
-        state = {"epoch": self.epoch, "file_pos": self.file_pos, "offset": self.offset,
-                 "valid_in_epoch": self.valid_in_epoch}
+    def state_dict(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"epoch": self.epoch, "file_pos": self.file_pos, "offset": self.offset,
+                                 "valid_in_epoch": self.valid_in_epoch}
+        if self.shuffle_buffer:
+            state["shuffle_draws"] = self.shuffle_draws
+            state["pool"] = [[ex.to_record(), ex.source] for ex in self.pool]
         if self.hf_mark is not None:
             state["hf_mark"] = [self.hf_mark[0], self.hf_mark[1]]
         return state
@@ -409,6 +433,12 @@ class SourceReader:
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.epoch, self.file_pos = int(state["epoch"]), int(state["file_pos"])
         self.offset, self.valid_in_epoch = int(state["offset"]), int(state["valid_in_epoch"])
+        self.shuffle_draws = int(state.get("shuffle_draws", 0))
+        self.pool = []
+        for record, location in state.get("pool", []):
+            ex = parse_retrieval_record(record)
+            ex.source = location
+            self.pool.append(ex)
         mark = state.get("hf_mark")
         self.hf_mark = (int(mark[0]), mark[1]) if mark is not None else None
         if not 0 <= self.file_pos < len(self.units):
@@ -439,6 +469,7 @@ class PairStream:
         deduplicate: apply the no-duplicate rule (``False``: examples in stream order).
         seed: the seed of every draw and of the file order.
         read_ahead: records decoded ahead per source (parquet batch size).
+        shuffle_buffer: per source, examples come from a seeded pool of this many (0: read order).
         shuffle_files: reshuffle each local source's file order every epoch.
         require_negative: skip (and count) examples without a hard negative.
         tally: where malformed records are counted.
@@ -453,13 +484,15 @@ class PairStream:
     def __init__(self, sources: Sequence[Any], global_batch_size: int, *, window: int = 1024,
                  per_source_batches: bool = False, deduplicate: bool = True, seed: int = 0, read_ahead: int = 256,
                  shuffle_files: bool = True, require_negative: bool = False, tally: Optional[MalformedTally] = None,
-                 max_pulls: Optional[int] = None):
+                 max_pulls: Optional[int] = None, shuffle_buffer: int = 0):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window must be an integer >= 0, got {window!r}")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 1:
             raise ValueError(f"read_ahead must be an integer >= 1, got {read_ahead!r}")
+        if isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be an integer >= 0, got {shuffle_buffer!r}")
         self.sources = parse_sources(sources)
         self.weights = [s.weight for s in self.sources]
         self.global_batch_size = global_batch_size
@@ -469,10 +502,11 @@ class PairStream:
         self.seed = seed
         self.tally = tally if tally is not None else MalformedTally()
         self.readers = [SourceReader(s, i, seed=seed, tally=self.tally, read_ahead=read_ahead,
-                                     shuffle_files=shuffle_files, require_negative=require_negative)
+                                     shuffle_files=shuffle_files, require_negative=require_negative,
+                                     shuffle_buffer=shuffle_buffer)
                         for i, s in enumerate(self.sources)]
         self.max_pulls = max_pulls if max_pulls is not None else 10 * (global_batch_size + window) + 100
-        self.held_bound = global_batch_size + window + read_ahead * len(self.sources) + 1
+        self.held_bound = global_batch_size + window + (read_ahead + shuffle_buffer) * len(self.sources) + 1
         self.deferred: Deque[Tuple[int, RetrievalExample]] = deque()
         self.batches_made = 0  # global batches formed (the per-source draw counter)
         self.draws = 0  # per-example source draws
@@ -488,8 +522,9 @@ class PairStream:
     # -- memory accounting ----------------------------------------------------------------------
 
     def held(self) -> int:
-        """Examples held now: read-ahead buffers + deferred buffer + the batch being built."""
-        return sum(len(r.buffer) for r in self.readers) + len(self.deferred) + self._building
+        """Examples held now: read-ahead buffers + shuffle buffers + deferred buffer + the batch
+        being built."""
+        return sum(len(r.buffer) + len(r.pool) for r in self.readers) + len(self.deferred) + self._building
 
     def _check_held(self, extra: int = 0) -> None:
         held = self.held() + extra

@@ -102,6 +102,8 @@ class RetrievalTask:
             oldest is dropped, and counted, beyond it); ``duplicates="allow"`` turns the rule off.
         per_source_batches: streaming: every global batch from one source, drawn by weight.
         read_ahead: streaming: records decoded ahead per source.
+        shuffle_buffer: streaming: each source draws its examples from a seeded pool of this many
+            (0, the default: the files' order).
     """
 
     name = "retrieval"
@@ -138,6 +140,7 @@ class RetrievalTask:
         window: int = 1024,
         per_source_batches: bool = False,
         read_ahead: int = 256,
+        shuffle_buffer: int = 0,
     ):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
@@ -162,7 +165,7 @@ class RetrievalTask:
         self._resume_stream: Optional[Dict[str, Any]] = None  # from load_state_dict
         self._stream_counts: Dict[str, Any] = {}
         if sources is not None:
-            self._init_stream(data, sources, window, per_source_batches, read_ahead)
+            self._init_stream(data, sources, window, per_source_batches, read_ahead, shuffle_buffer)
             self.examples = None
         elif data == "chatterbot":
             from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split
@@ -225,14 +228,14 @@ class RetrievalTask:
         self._towers: Optional[RetrievalEncoders] = None
         self.global_batch_size: Optional[int] = None
 
-    def _init_stream(self, data, sources, window, per_source_batches, read_ahead) -> None:
+    def _init_stream(self, data, sources, window, per_source_batches, read_ahead, shuffle_buffer) -> None:
         """Streaming mode: check the sources and the options at load (files listed, formats known)."""
         if data != "chatterbot":
             raise ConfigError(f"task.args: give either data ({data!r}) or sources, not both")
         if self.duplicates == "drop":
             raise ConfigError("task.args.duplicates: a streamed corpus defers repeating examples within the window "
                               "(and drops, counted, beyond it): use 'defer' with window, or 'allow'")
-        for key, value, low in (("window", window, 0), ("read_ahead", read_ahead, 1)):
+        for key, value, low in (("window", window, 0), ("read_ahead", read_ahead, 1), ("shuffle_buffer", shuffle_buffer, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"task.args.{key}: an integer >= {low}, got {value!r}")
         if not isinstance(per_source_batches, bool):
@@ -242,6 +245,7 @@ class RetrievalTask:
         except ValueError as e:
             raise ConfigError(f"task.args.sources: {e}") from None
         self.window, self.per_source_batches, self.read_ahead = window, per_source_batches, read_ahead
+        self.shuffle_buffer = shuffle_buffer
 
     def _stream_batches(self, *, rank: int, world_size: int, local_batch_size: int, start_step: int,
                         seed: int) -> Iterator[Dict[str, Any]]:
@@ -254,7 +258,8 @@ class RetrievalTask:
         stream = PairStream(self._sources, global_batch, window=self.window,
                             per_source_batches=self.per_source_batches, deduplicate=self.duplicates != "allow",
                             seed=self.seed + seed, read_ahead=self.read_ahead,
-                            require_negative=self.num_negatives > 0, tally=self.tally)
+                            require_negative=self.num_negatives > 0, tally=self.tally,
+                            shuffle_buffer=self.shuffle_buffer)
         step = 0
         saved = self._resume_stream
         if start_step > 0 and saved is not None:

@@ -194,8 +194,8 @@ def test_wds_and_hf_streaming_sources_read_the_same_records(tmp_path):
         assert stream.next_global_batch()[1][0].query == f"{tag} query 0"
 
 
-@pytest.mark.parametrize("per_source", [False, True])
-def test_resume_from_a_saved_position_gives_the_uninterrupted_batches(tmp_path, per_source):
+@pytest.mark.parametrize("per_source, shuffle_buffer", [(False, 0), (True, 0), (False, 5)])
+def test_resume_from_a_saved_position_gives_the_uninterrupted_batches(tmp_path, per_source, shuffle_buffer):
     pytest.importorskip("datasets")
     sources = _three_sources(tmp_path, n=90)
     _write_jsonl(str(tmp_path / "d" / "d.jsonl"), _dup_records(50, 8) + ["{broken"])
@@ -204,7 +204,7 @@ def test_resume_from_a_saved_position_gives_the_uninterrupted_batches(tmp_path, 
     sources += [{"path": str(tmp_path / "d"), "weight": 0.4, "name": "dups"},
                 {"path": str(tmp_path / "w"), "weight": 0.2, "format": "wds", "name": "w"},
                 {"path": str(tmp_path / "a"), "weight": 0.2, "format": "hf", "name": "hf"}]
-    kwargs = dict(window=5, per_source_batches=per_source, read_ahead=7, seed=11)
+    kwargs = dict(window=5, per_source_batches=per_source, read_ahead=7, seed=11, shuffle_buffer=shuffle_buffer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = PairStream(sources, 6, **kwargs)
@@ -216,6 +216,9 @@ def test_resume_from_a_saved_position_gives_the_uninterrupted_batches(tmp_path, 
             stop += 1
         assert stop < 40
         state = json.loads(json.dumps(first.state_dict()))  # plain values survive a JSON round trip
+        # a reader drawn from keeps its shuffle buffer but the example just drawn
+        assert all(len(r.get("pool", [])) == max(shuffle_buffer - 1, 0) for r in state["readers"]
+                   if r.get("shuffle_draws", 1))
         resumed = PairStream(sources, 6, **kwargs)
         resumed.load_state_dict(state)
         rest = [[_key(ex) for ex in resumed.next_global_batch()[1]] for _ in range(60 - stop)]
@@ -296,3 +299,18 @@ def test_an_hf_stream_resumes_from_its_own_state_at_every_position(tmp_path):
         again.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
         got += [[_key(ex) for ex in again.next_global_batch()[1]] for _ in range(25 - stop - len(got))]
         assert got == reference[stop:], stop
+
+
+def test_a_shuffle_buffer_mixes_the_read_order_within_its_size(tmp_path):
+    _write_jsonl(str(tmp_path / "s.jsonl"), [_rec("S", i) for i in range(200)])
+    spec = [{"path": str(tmp_path / "s.jsonl")}]
+    stream = PairStream(spec, 10, shuffle_buffer=16, window=0, read_ahead=4, seed=2)
+    order = [int(ex.query.split()[-1]) for _ in range(15) for ex in stream.next_global_batch()[1]]
+    assert len(set(order)) == 150  # no example twice within the first pass
+    assert order != sorted(order)
+    # the k-th example out is one of the first k + 16 read: the buffer holds 16
+    assert all(i <= k + 15 for k, i in enumerate(order))
+    assert sum(abs(i - k) for k, i in enumerate(order)) / 150 > 2  # mixed, not nearly in order
+    assert stream.peak_held <= stream.held_bound == 10 + 0 + (4 + 16) + 1
+    assert PairStream(spec, 10, shuffle_buffer=16, window=0, read_ahead=4, seed=2).next_global_batch()[1][0].query \
+        == "S query " + str(order[0])  # seeded: the same order again

@@ -53,16 +53,16 @@ def test_ranks_share_the_stream_and_the_state_resumes_the_batches(tmp_path):
     sources = _write_sources(tmp_path)
     steps = 12
     with pytest.warns(UserWarning, match="c.jsonl:1: invalid JSON"):
-        reference = PairStream(sources, 6, window=4, read_ahead=5, seed=7 + 3, require_negative=True)
+        reference = PairStream(sources, 6, window=4, read_ahead=5, seed=7 + 3, require_negative=True, shuffle_buffer=3)
         want = [[ex.query for ex in reference.next_global_batch()[1]] for _ in range(steps)]
-    tokenize = _task(tmp_path, sources, seed=7).build_towers().tokenize_queries
+    tokenize = _task(tmp_path, sources, seed=7, shuffle_buffer=3).build_towers().tokenize_queries
 
     def ids(texts):
         return tokenize(texts)["input_ids"]
 
     states = {}
     for rank in range(2):
-        task = _task(tmp_path, sources, seed=7)
+        task = _task(tmp_path, sources, seed=7, shuffle_buffer=3)
         it = task.batches(rank=rank, world_size=2, local_batch_size=3, start_step=0, seed=3)
         for step in range(steps):
             batch = next(it)
@@ -77,13 +77,13 @@ def test_ranks_share_the_stream_and_the_state_resumes_the_batches(tmp_path):
     assert reference.counts["deferred"] > 0
     assert states[0]["stream"]["step"] == 5 and states[0]["stream"] == states[1]["stream"]
     # A new task given the saved state continues with step 6's batch (rank 1's share).
-    resumed = _task(tmp_path, sources, seed=7)
+    resumed = _task(tmp_path, sources, seed=7, shuffle_buffer=3)
     resumed.load_state_dict(states[0])
     it = resumed.batches(rank=1, world_size=2, local_batch_size=3, start_step=5, seed=3)
     for step in range(5, steps):
         assert torch.equal(next(it)["query_inputs"]["input_ids"], ids(want[step][3:6]))
     # Without a saved position (a checkpoint of the in-memory mode) the stream is read again to it.
-    replay = _task(tmp_path, sources, seed=7).batches(rank=0, world_size=2, local_batch_size=3, start_step=5, seed=3)
+    replay = _task(tmp_path, sources, seed=7, shuffle_buffer=3).batches(rank=0, world_size=2, local_batch_size=3, start_step=5, seed=3)
     assert torch.equal(next(replay)["query_inputs"]["input_ids"], ids(want[5][:3]))
 
 
@@ -92,12 +92,14 @@ def test_stream_settings_are_checked_at_load(tmp_path):
 
     make_tiny_model_dir(str(tmp_path / "tiny"))
     sources = _write_sources(tmp_path)
-    with pytest.raises(ConfigError, match=r"task.args.sources: source 0 \(parquet\): .*nope.parquet. does not exist"):
+    with pytest.raises(ConfigError, match=r"task.args.sources: source 0: .*nope.parquet. does not exist"):
         _task(tmp_path, [{"path": str(tmp_path / "nope.parquet")}])
     with pytest.raises(ConfigError, match="either data .* or sources"):
         _task(tmp_path, sources, data=str(tmp_path / "c.jsonl"))
     with pytest.raises(ConfigError, match="task.args.window: an integer >= 0"):
         _task(tmp_path, sources, window=-1)
+    with pytest.raises(ConfigError, match="task.args.shuffle_buffer: an integer >= 0"):
+        _task(tmp_path, sources, shuffle_buffer=1.5)
     with pytest.raises(ConfigError, match="task.args.duplicates"):
         _task(tmp_path, sources, duplicates="drop")
 
@@ -181,7 +183,8 @@ def test_the_docs_pretraining_recipe_trains_an_embedder_from_a_parquet_folder(tm
     paths = {"web": mine[0]["path"], "qa": str(tmp_path / "qa" / "*.jsonl.gz"), "code": str(tmp_path / "code")}
     for source in args["sources"]:
         source["path"] = paths[source["name"]]
-    args.update(model_path=str(tmp_path / "tiny"), window=8, read_ahead=4, max_seq_length=16)
+    assert args["shuffle_buffer"] > 0
+    args.update(model_path=str(tmp_path / "tiny"), window=8, read_ahead=4, shuffle_buffer=6, max_seq_length=16)
     cfg["batch"].update(global_batch_size=8, chunk_size=4)
     cfg["train"]["num_steps"] = 2
     cfg["checkpoint"]["every_steps"] = 0
