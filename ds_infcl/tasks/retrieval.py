@@ -15,6 +15,11 @@ resumed run sees the same batches.
 
 Data (``data``): a jsonl file or list of files (FlagEmbedding or Tevatron shape), shard patterns
 (``*.tar``), or ``"chatterbot"`` (the PyPI corpus split by question, with held-out evaluation).
+These are read into host memory. Corpora larger than that are *streamed* (``sources``: parquet,
+jsonl(.gz), webdataset text shards, HF datasets streaming, mixed by weight; see
+``ds_infcl.data.pair_stream``): each global batch comes from :class:`PairStream`, the no-duplicate
+rule holds within a window, and the stream position is in ``state_dict`` so a resume continues
+mid-epoch with the batches of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ds_infcl.data.retrieval import (
     iter_retrieval_jsonl,
     iter_retrieval_shards,
 )
+from ds_infcl.data.pair_stream import PairStream, parse_sources
 
 __all__ = ["RetrievalTask"]
 
@@ -89,6 +95,17 @@ class RetrievalTask(Task):
             ``qrels/<split>.tsv``) evaluated by ``evaluate`` (NDCG@10, MRR@10, Recall@100 as
             ``beir/...``; exact search in chunks on the device). Read and checked at load.
         seed: data seed (the trainer's seed is added to it).
+        sources: stream the data instead of reading it (instead of ``data``): a list of
+            ``{"path": file|folder|glob|[...], "weight": w, "format": "parquet"|"jsonl"|"wds"|"hf",
+            "name": str}`` (``ds_infcl.data.pair_stream``). Sources cycle without end; examples
+            without a hard negative (``num_negatives > 0``) are skipped and counted with the
+            malformed records.
+        window: streaming: at most this many examples deferred by the no-duplicate rule (the
+            oldest is dropped, and counted, beyond it); ``duplicates="allow"`` turns the rule off.
+        per_source_batches: streaming: every global batch from one source, drawn by weight.
+        read_ahead: streaming: records decoded ahead per source.
+        shuffle_buffer: streaming: each source draws its examples from a seeded pool of this many
+            (0, the default: the files' order).
     """
 
     name = "retrieval"
@@ -121,6 +138,11 @@ class RetrievalTask(Task):
         beir_data: Optional[str] = None,
         beir_split: str = "test",
         seed: int = 0,
+        sources: Optional[Sequence[Dict[str, Any]]] = None,
+        window: int = 1024,
+        per_source_batches: bool = False,
+        read_ahead: int = 256,
+        shuffle_buffer: int = 0,
     ):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
@@ -140,7 +162,14 @@ class RetrievalTask(Task):
         self.queries: List[str] = []
         self.relevant: List[set] = []
         self.corpus: List[str] = []
-        if data == "chatterbot":
+        self._sources = None  # streaming mode: the checked sources
+        self._stream_state: Optional[Dict[str, Any]] = None  # position after the last batch yielded
+        self._resume_stream: Optional[Dict[str, Any]] = None  # from load_state_dict
+        self._stream_counts: Dict[str, Any] = {}
+        if sources is not None:
+            self._init_stream(data, sources, window, per_source_batches, read_ahead, shuffle_buffer)
+            self.examples = None
+        elif data == "chatterbot":
             from ds_infcl.data.retrieval_chatterbot import chatterbot_retrieval_split
 
             with warnings.catch_warnings():
@@ -165,14 +194,14 @@ class RetrievalTask(Task):
                     self.examples += list(iter_retrieval_shards(shards, tally=self.tally))
             except OSError as e:  # unreadable (permissions, a read error): a config error, not a traceback
                 raise ConfigError(f"task.args.data: cannot read {e.filename or data!r}: {e.strerror or e}") from None
-        if not self.examples:
+        if self.examples is not None and not self.examples:
             skipped = (f"{self.tally.total} malformed records skipped ({self.tally.counts}; first at "
                        f"{', '.join(self.tally.where[:3])})") if self.tally.total else "the input holds no record"
             raise ConfigError(
                 f"task.args.data: no training examples in {data!r}: {skipped}; give jsonl files with one "
                 "{\"query\", \"pos\", \"neg\"} object per line (UTF-8), .tar shards, or \"chatterbot\""
             )
-        if num_negatives > 0:
+        if num_negatives > 0 and self.examples is not None:
             _check_hard_negatives(self.examples, num_negatives)
         self.beir = None
         if beir_data is not None:
@@ -200,6 +229,66 @@ class RetrievalTask(Task):
         self.seed = seed
         self._towers: Optional[RetrievalEncoders] = None
         self.global_batch_size: Optional[int] = None
+
+    def _init_stream(self, data, sources, window, per_source_batches, read_ahead, shuffle_buffer) -> None:
+        """Streaming mode: check the sources and the options at load (files listed, formats known)."""
+        if data != "chatterbot":
+            raise ConfigError(f"task.args: give either data ({data!r}) or sources, not both")
+        if self.duplicates == "drop":
+            raise ConfigError("task.args.duplicates: a streamed corpus defers repeating examples within the window "
+                              "(and drops, counted, beyond it): use 'defer' with window, or 'allow'")
+        for key, value, low in (("window", window, 0), ("read_ahead", read_ahead, 1), ("shuffle_buffer", shuffle_buffer, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"task.args.{key}: an integer >= {low}, got {value!r}")
+        if not isinstance(per_source_batches, bool):
+            raise ConfigError(f"task.args.per_source_batches: true or false, got {per_source_batches!r}")
+        try:
+            self._sources = parse_sources(sources)
+        except ValueError as e:
+            raise ConfigError(f"task.args.sources: {e}") from None
+        self.window, self.per_source_batches, self.read_ahead = window, per_source_batches, read_ahead
+        self.shuffle_buffer = shuffle_buffer
+
+    def _stream_batches(self, *, rank: int, world_size: int, local_batch_size: int, start_step: int,
+                        seed: int) -> Iterator[Dict[str, Any]]:
+        """Streaming mode of ``batches``: every rank runs the same ``PairStream`` and keeps its
+        contiguous share of each global batch; the position after each batch is kept for
+        ``state_dict``."""
+        global_batch = local_batch_size * world_size
+        self.global_batch_size = global_batch
+        self._rank = rank
+        stream = PairStream(self._sources, global_batch, window=self.window,
+                            per_source_batches=self.per_source_batches, deduplicate=self.duplicates != "allow",
+                            seed=self.seed + seed, read_ahead=self.read_ahead,
+                            require_negative=self.num_negatives > 0, tally=self.tally,
+                            shuffle_buffer=self.shuffle_buffer)
+        step = 0
+        saved = self._resume_stream
+        if start_step > 0 and saved is not None:
+            if int(saved["step"]) != start_step or int(saved["global_batch_size"]) != global_batch:
+                raise ValueError(f"the checkpoint's stream position is after step {saved['step']} with global batch "
+                                 f"{saved['global_batch_size']}, but the run resumes at step {start_step} with "
+                                 f"{global_batch}")
+            try:
+                stream.load_state_dict(saved["stream"])
+            except ValueError as e:
+                raise ConfigError(f"task.args.sources: {e}") from None
+            step = start_step
+        elif start_step > 0:  # no saved position (a checkpoint of another mode): replay, exact but reading
+            if rank == 0:
+                print(f"[ds_infcl] retrieval stream: no stream position in the checkpoint; reading {start_step} "
+                      "global batches again to reach it", flush=True)
+        while True:
+            _, examples = stream.next_global_batch()
+            share = global_batch // world_size
+            mine = examples[rank * share:(rank + 1) * share]
+            step += 1
+            self._stream_state = {"step": step, "global_batch_size": global_batch, "stream": stream.state_dict()}
+            self._stream_counts = {"deferred": stream.counts["deferred"], "dropped": stream.counts["dropped"],
+                                   "examples_per_source": list(stream.counts["examples_per_source"]),
+                                   "peak_held": stream.peak_held}
+            if step > start_step:
+                yield self._make_batch_from(mine, step - 1, seed)
 
     # -- the trainer's interface -----------------------------------------------------------------
 
@@ -263,7 +352,9 @@ class RetrievalTask(Task):
 
     def make_batch(self, indices: Sequence[int], step: int, seed: int) -> Dict[str, Any]:
         """The trainer's batch fields for the examples ``indices`` at ``step``."""
-        examples = [self.examples[i] for i in indices]
+        return self._make_batch_from([self.examples[i] for i in indices], step, seed)
+
+    def _make_batch_from(self, examples: Sequence[RetrievalExample], step: int, seed: int) -> Dict[str, Any]:
         keys: List[str] = []
         for ex in examples:
             keys += self._example_keys(ex, random.Random(f"{self.seed}:{seed}:{step}:{ex.idx}"))
@@ -288,7 +379,12 @@ class RetrievalTask(Task):
     def batches(
         self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
     ) -> Iterator[Dict[str, Any]]:
-        """Endless stream of this rank's batches (epochs of the global no-duplicate sampler)."""
+        """Endless stream of this rank's batches (epochs of the global no-duplicate sampler, or
+        the streamed sources)."""
+        if self.examples is None:
+            yield from self._stream_batches(rank=rank, world_size=world_size, local_batch_size=local_batch_size,
+                                            start_step=start_step, seed=seed)
+            return
         global_batch = local_batch_size * world_size
         self.global_batch_size = global_batch
         self._rank = rank
@@ -327,6 +423,13 @@ class RetrievalTask(Task):
         sampler's counts are the same on every rank, so rank 0 reports them."""
         if getattr(self, "_rank", 0) != 0:
             return {}
+        if self.examples is None:
+            report = {"malformed_records": int(self.tally.total),
+                      "deferred_examples": int(self._stream_counts.get("deferred", 0)),
+                      "dropped_examples": int(self._stream_counts.get("dropped", 0))}
+            for source, n in zip(self._sources, self._stream_counts.get("examples_per_source", [])):
+                report[f"examples/{source.name}"] = int(n)
+            return report
         return {"malformed_records": int(self.tally.total), "epochs_begun": self.epochs_begun,
                 "unused_examples": self.unused_examples, "duplicate_batches": self.duplicate_batches}
 
@@ -362,10 +465,16 @@ class RetrievalTask(Task):
         return metrics
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"malformed": self.tally.counts}
+        state: Dict[str, Any] = {"malformed": self.tally.counts}
+        if self.examples is None and self._stream_state is not None:
+            state["stream"] = self._stream_state  # the position after the last batch yielded
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        pass  # batches are a function of (seed, step): the trainer's start_step replays them
+        # In-memory mode, batches are a function of (seed, step): the trainer's start_step replays
+        # them. Streaming mode continues from the saved position (used by ``batches``).
+        if self.examples is None:
+            self._resume_stream = state.get("stream")
 
     def save_pretrained(self, folder: str, towers: RetrievalEncoders, logit_scale: torch.Tensor) -> None:
         """A sentence-transformers folder (model card with the loss and the global batch)."""
