@@ -10,13 +10,12 @@ import random
 import tracemalloc
 import warnings
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ds_infcl.data.pair_stream import PairStream, parse_sources
 from ds_infcl.data.retrieval import RetrievalExample, example_texts, write_retrieval_shards
-
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
 
 
 def _rec(tag, i, pad=0):
@@ -177,7 +176,6 @@ def test_a_source_with_no_valid_record_is_an_error_naming_it(tmp_path):
 
 
 def test_wds_and_hf_streaming_sources_read_the_same_records(tmp_path):
-    pytest.importorskip("datasets")
     records = [_rec("W", i) for i in range(30)]
     write_retrieval_shards([RetrievalExample(**r) for r in records], str(tmp_path / "shards"), samples_per_shard=7)
     _write_parquet(tmp_path / "hfp", "H", 30, files=2, row_group=4, tevatron=True)
@@ -196,7 +194,6 @@ def test_wds_and_hf_streaming_sources_read_the_same_records(tmp_path):
 
 @pytest.mark.parametrize("per_source, shuffle_buffer", [(False, 0), (True, 0), (False, 5)])
 def test_resume_from_a_saved_position_gives_the_uninterrupted_batches(tmp_path, per_source, shuffle_buffer):
-    pytest.importorskip("datasets")
     sources = _three_sources(tmp_path, n=90)
     _write_jsonl(str(tmp_path / "d" / "d.jsonl"), _dup_records(50, 8) + ["{broken"])
     write_retrieval_shards([RetrievalExample(**_rec("W", i)) for i in range(40)], str(tmp_path / "w"),
@@ -276,7 +273,6 @@ def test_a_damaged_shard_is_counted_once_per_pass_also_across_a_resume(tmp_path)
 
 
 def test_an_hf_stream_resumes_from_its_own_state_at_every_position(tmp_path):
-    pytest.importorskip("datasets")
     _write_parquet(tmp_path / "h", "H", 30, files=2, row_group=4)
     spec = [{"path": str(tmp_path / "h"), "format": "hf"}]
     kwargs = dict(window=2, read_ahead=4)

@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _write_sources(tmp, n=40):
     """Three sources (parquet folder of 2 files, jsonl.gz, jsonl) of ``n`` examples each; the
     jsonl source shares positives between examples (deferrals), and holds a malformed line."""
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     t = random_texts(9 * n, 5)
     rec = [{"query": t[i], "pos": [t[3 * n + i]], "neg": [t[6 * n + i]]} for i in range(3 * n)]
     os.makedirs(tmp / "pq", exist_ok=True)
@@ -137,7 +137,6 @@ def _run(tmp, name, sources, *, num_steps, resume=None):
 
 @pytest.mark.slow
 def test_two_ranks_resume_mid_epoch_gives_the_uninterrupted_losses(tmp_path):
-    pytest.importorskip("deepspeed")
     make_tiny_model_dir(str(tmp_path / "tiny"))
     sources = _write_sources(tmp_path)  # 120 examples; 6 steps of 8 read 48: mid-epoch throughout
     sources[2]["weight"] = 2.0  # the source whose neighbours share a positive: the step-3 checkpoint
@@ -164,7 +163,6 @@ def test_two_ranks_resume_mid_epoch_gives_the_uninterrupted_losses(tmp_path):
 def test_the_docs_pretraining_recipe_trains_an_embedder_from_a_parquet_folder(tmp_path):
     """docs/retrieval.md "Pretraining on a pair corpus": its run config, with the paths pointed at
     small local sources and a CPU-sized batch, trains and exports a sentence-transformers folder."""
-    pytest.importorskip("deepspeed")
     import re
 
     from ds_infcl.data.retrieval import RetrievalExample, write_retrieval_shards
