@@ -10,7 +10,8 @@ from ds_infcl.loss.functional import clip_loss, compose_infonce, contrastive_los
 from ds_infcl.loss.module import ContrastiveLoss
 from ds_infcl.loss.factory import build_loss, check_loss
 from ds_infcl.loss.registry import (
-    LossSettings, available_loss_impls, available_loss_modules, get_loss_impl, register_loss_impl, register_loss_module,
+    LossSettings, available_loss_impls, available_loss_modules, get_loss_impl, loss_features, losses_with,
+    register_loss_impl, register_loss_module,
 )
 from ds_infcl.loss.siglip import SigLIPLoss, siglip_loss
 from ds_infcl.loss.fastclip import FastCLIPLoss, available_fastclip_losses, build_fastclip_loss, fastclip_num_samples
@@ -35,6 +36,8 @@ __all__ = [
     "group_size",
     "lse",
     "positive_logits",
+    "loss_features",
+    "losses_with",
     "register_loss_impl",
     "register_loss_module",
     "resolve_group",

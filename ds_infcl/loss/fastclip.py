@@ -658,7 +658,7 @@ def _build_from_settings(settings: LossSettings) -> FastCLIPLoss:
 
 
 for _name in _NAMES:
-    register_loss_module(_name, _build_from_settings, check=fastclip_num_samples)
+    register_loss_module(_name, _build_from_settings, check=fastclip_num_samples, features=("directed", "args", "run_config"))
 
 
 from ds_infcl.loss.fastclip_reference import fastclip_reference  # noqa: E402 (its tests import it from here)

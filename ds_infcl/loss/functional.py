@@ -99,7 +99,7 @@ def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor,
     return scale * (query.float() * key[labels].float()).sum(dim=1)
 
 
-@register_loss_impl("infcl")
+@register_loss_impl("infcl", features=("directed", "retrieval", "run_config"))
 def _infcl_loss(query, key, scale, labels, *, symmetric, backend, group, tile_size):
     """Inf-CL: tiled LSE on each device, key blocks around a ring across devices."""
     if group_size(group) > 1:

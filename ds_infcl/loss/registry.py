@@ -21,6 +21,18 @@ Two kinds of entries, each registered once, where the implementation is defined:
   builder ``builder(settings: LossSettings) -> nn.Module`` and optionally a ``check(settings)``
   that validates the settings without building anything (``--check``).
 
+Each registration also declares the loss's **features**, which the tasks and the run config's
+checks ask for instead of comparing names (``loss_features``, ``losses_with``):
+
+- ``"directed"``: the loss has a query-to-key direction (``loss.symmetric`` applies);
+- ``"logit_bias"``: it trains a logit bias (``loss.init_logit_bias`` applies; an export carries it);
+- ``"multi_positive"``: a query may have several positives (ids instead of one label);
+- ``"args"``: it takes ``loss.args`` (FastCLIP's per-sample state);
+- ``"retrieval"``: the retrieval loss (false-negative masking, hard negatives, Matryoshka) is built
+  on its op;
+- ``"run_config"``: a run config may name it in ``loss.impl`` (every loss but the retrieval task's
+  own module, which the retrieval task builds itself).
+
 ``ds_infcl.loss.build_loss(impl, ...)`` (``loss/factory.py``) is the one place that turns a name
 into an ``nn.Module``. This module imports none of the implementations: they register themselves
 when their modules are imported, which ``ds_infcl.loss`` (the package) does.
@@ -29,7 +41,7 @@ when their modules are imported, which ``ds_infcl.loss`` (the package) does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional, Tuple
 
 __all__ = [
     "LossSettings",
@@ -39,11 +51,17 @@ __all__ = [
     "get_loss_builder",
     "available_loss_impls",
     "available_loss_modules",
+    "loss_features",
+    "losses_with",
+    "FEATURES",
 ]
+
+FEATURES = ("directed", "logit_bias", "multi_positive", "args", "retrieval", "run_config")
 
 _IMPLS: Dict[str, Callable] = {}
 # name -> (builder or None for "ContrastiveLoss around the functional impl", check or None)
 _BUILDERS: Dict[str, Tuple[Optional[Callable], Optional[Callable]]] = {}
+_FEATURES: Dict[str, FrozenSet[str]] = {}
 
 
 @dataclass
@@ -74,31 +92,52 @@ class LossSettings:
         return {key: self.config[key] for key in ("backend", "tile_size") if key in self.config}
 
 
-def _claim(name: str, entry) -> None:
-    if name in _BUILDERS and _BUILDERS[name] != entry:
+def _claim(name: str, entry, features: Iterable[str]) -> None:
+    features = frozenset(features)
+    unknown = sorted(features - set(FEATURES))
+    if unknown:
+        raise ValueError(f"loss implementation {name!r}: unknown features {unknown}; choose from {list(FEATURES)}")
+    if name in _BUILDERS and (_BUILDERS[name], _FEATURES[name]) != (entry, features):
         raise ValueError(f"loss implementation {name!r} is already registered")
     _BUILDERS[name] = entry
+    _FEATURES[name] = features
 
 
-def register_loss_impl(name: str, *, builder: Optional[Callable] = None,
-                       check: Optional[Callable] = None) -> Callable[[Callable], Callable]:
+def register_loss_impl(name: str, *, builder: Optional[Callable] = None, check: Optional[Callable] = None,
+                       features: Iterable[str] = ("directed", "run_config")) -> Callable[[Callable], Callable]:
     """Decorator: register the functional implementation ``fn`` under ``name`` (names are
-    unique). ``build_loss(name)`` gives ``ContrastiveLoss(impl=name)`` unless ``builder`` is given."""
+    unique). ``build_loss(name)`` gives ``ContrastiveLoss(impl=name)`` unless ``builder`` is given.
+    ``features``: see the module docstring."""
 
     def deco(fn: Callable) -> Callable:
         if name in _IMPLS and _IMPLS[name] is not fn:
             raise ValueError(f"loss implementation {name!r} is already registered")
-        _claim(name, (builder, check))
+        _claim(name, (builder, check), features)
         _IMPLS[name] = fn
         return fn
 
     return deco
 
 
-def register_loss_module(name: str, builder: Callable, *, check: Optional[Callable] = None) -> None:
+def register_loss_module(name: str, builder: Callable, *, check: Optional[Callable] = None,
+                         features: Iterable[str] = ("run_config",)) -> None:
     """Register a loss that exists only as a module: ``builder(settings: LossSettings) ->
-    nn.Module``; ``check(settings)`` (optional) validates the settings without building."""
-    _claim(name, (builder, check))
+    nn.Module``; ``check(settings)`` (optional) validates the settings without building;
+    ``features``: see the module docstring."""
+    _claim(name, (builder, check), features)
+
+
+def loss_features(name: str) -> FrozenSet[str]:
+    """The features registered for ``name``; ``ValueError`` listing the valid names if none."""
+    get_loss_builder(name)
+    return _FEATURES[name]
+
+
+def losses_with(feature: str) -> Tuple[str, ...]:
+    """The registered names that have ``feature``, sorted."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown loss feature {feature!r}; choose from {list(FEATURES)}")
+    return tuple(sorted(name for name, features in _FEATURES.items() if feature in features))
 
 
 def available_loss_impls() -> tuple:

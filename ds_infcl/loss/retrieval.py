@@ -521,4 +521,4 @@ def _build_retrieval_loss(settings: LossSettings) -> RetrievalLoss:
     return RetrievalLoss(**settings.placement(), **kwargs)
 
 
-register_loss_module("retrieval", _build_retrieval_loss)
+register_loss_module("retrieval", _build_retrieval_loss, features=("directed",))  # built by the retrieval task itself

@@ -337,4 +337,4 @@ def _build_siglip_loss(settings) -> SigLIPLoss:
     return SigLIPLoss(**settings.placement(), **kwargs)
 
 
-register_loss_module("siglip", _build_siglip_loss)
+register_loss_module("siglip", _build_siglip_loss, features=("logit_bias", "multi_positive", "run_config"))

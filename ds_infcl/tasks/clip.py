@@ -279,9 +279,13 @@ class ClipTask(Task):
         }
 
     def build_loss(self, loss_config):
-        """The trainer's default loss (``Task.build_loss``); ``positives: caption`` needs SigLIP."""
-        if self.positives == "caption" and loss_config.impl != "siglip":
-            raise ValueError(f"task.args.positives: 'caption' needs loss.impl 'siglip' (got {loss_config.impl!r}): "
+        """The trainer's default loss (``Task.build_loss``); ``positives: caption`` needs a loss
+        that takes several positives per query (SigLIP's)."""
+        from ds_infcl.loss import loss_features, losses_with
+
+        if self.positives == "caption" and "multi_positive" not in loss_features(loss_config.impl):
+            wanted = " or ".join(repr(n) for n in losses_with("multi_positive"))
+            raise ValueError(f"task.args.positives: 'caption' needs loss.impl {wanted} (got {loss_config.impl!r}): "
                              "the InfoNCE losses take one positive per query")
         return super().build_loss(loss_config)
 

@@ -144,9 +144,12 @@ class OpenClipTask(ClipTask):
     def build_loss(self, loss_config):
         """The trainer's loss; SigLIP needs a model with a bias (OpenCLIP's SigLIP configs have
         ``init_logit_bias``), so that the export carries the trained one."""
-        if loss_config.impl == "siglip" and self._towers is not None and "logit_bias" not in self._towers.open_clip_shapes:
+        from ds_infcl.loss import loss_features
+
+        if ("logit_bias" in loss_features(loss_config.impl) and self._towers is not None
+                and "logit_bias" not in self._towers.open_clip_shapes):
             raise ValueError(
-                f"loss.impl 'siglip' trains a bias, but OpenCLIP model {self.model_name!r} has none: set "
+                f"loss.impl {loss_config.impl!r} trains a bias, but OpenCLIP model {self.model_name!r} has none: set "
                 'task.args.model_kwargs: {"init_logit_bias": -10} (or use a SigLIP architecture)'
             )
         return super().build_loss(loss_config)

@@ -34,7 +34,7 @@ import torch
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
 from ds_infcl.errors import ConfigError
-from ds_infcl.loss import build_loss
+from ds_infcl.loss import build_loss, loss_features, losses_with
 from ds_infcl.tasks.base import Task, loss_config_settings
 from ds_infcl.data.retrieval import (
     GlobalNoDuplicatesBatchSampler,
@@ -309,8 +309,10 @@ class RetrievalTask(Task):
         """``RetrievalLoss`` (the loss factory's ``retrieval`` module) with the run config's ``loss``
         section applied (``symmetric``, ``learnable_scale``, ``init_logit_scale``, ``backend``,
         ``tile_size``, ``matryoshka_dims`` and ``matryoshka_weights``, checked against the encoders)."""
-        if getattr(loss_config, "impl", "infcl") != "infcl":
-            raise ValueError(f"loss.impl: the retrieval task uses the Inf-CL loss, got {loss_config.impl!r}")
+        impl = getattr(loss_config, "impl", "infcl")
+        if "retrieval" not in loss_features(impl):
+            wanted = " or ".join(repr(n) for n in losses_with("retrieval"))
+            raise ValueError(f"loss.impl: the retrieval task uses the Inf-CL loss ({wanted}), got {impl!r}")
         defaults = dict(self.loss_defaults(), **self._matryoshka_args(loss_config))  # checked, with the encoders' normalize
         return build_loss("retrieval", defaults=defaults, owner=self.name, **loss_config_settings(loss_config))
 

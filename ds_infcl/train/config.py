@@ -349,14 +349,6 @@ def run_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def _fastclip_names() -> tuple:
-    try:
-        from ds_infcl.loss import available_fastclip_losses
-    except ImportError:  # the FastCLIP module is optional
-        return ()
-    return tuple(available_fastclip_losses())
-
-
 def _validate(cfg: RunConfig) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
@@ -407,30 +399,34 @@ def _validate(cfg: RunConfig) -> None:
 
 
 def _validate_loss(cfg: RunConfig) -> None:
-    """The ``loss`` section: a known ``impl`` and only the keys it uses."""
-    from ds_infcl.loss import available_loss_impls
+    """The ``loss`` section: a known ``impl`` and only the keys it uses (the features each loss
+    registered, ``ds_infcl.loss.loss_features``)."""
+    from ds_infcl.loss import loss_features, losses_with
     from ds_infcl.ops import BACKENDS
 
-    fastclip = _fastclip_names()
-    _allowed("loss.impl", cfg.loss.impl, tuple(available_loss_impls()) + fastclip + ("siglip",))
-    if cfg.loss.impl == "siglip" and cfg.loss.symmetric is not None:
-        raise ConfigError("loss.symmetric: not used by loss.impl 'siglip' (its pairwise loss has no direction)")
-    if cfg.loss.impl != "siglip" and cfg.loss.init_logit_bias is not None:
-        raise ConfigError(f"loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is {cfg.loss.impl!r}")
-    if cfg.loss.impl in fastclip:
+    def named(feature: str) -> str:
+        return " or ".join(repr(n) for n in losses_with(feature))
+
+    impl = cfg.loss.impl
+    _allowed("loss.impl", impl, losses_with("run_config"))
+    features = loss_features(impl)
+    if "directed" not in features and cfg.loss.symmetric is not None:
+        raise ConfigError(f"loss.symmetric: not used by loss.impl {impl!r} (its pairwise loss has no direction)")
+    if "logit_bias" not in features and cfg.loss.init_logit_bias is not None:
+        raise ConfigError(f"loss.init_logit_bias: only used by loss.impl {named('logit_bias')}; loss.impl is {impl!r}")
+    if "args" in features:
         n = cfg.loss.args.get("num_samples")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"loss.args.num_samples: must be an integer >= 1, got {n!r}")
     elif cfg.loss.args:
-        raise ConfigError(
-            f"loss.args: only used by the FastCLIP losses {list(fastclip)}; loss.impl is {cfg.loss.impl!r}"
-        )
+        raise ConfigError(f"loss.args: only used by the FastCLIP losses {list(losses_with('args'))}; loss.impl is {impl!r}")
     dims, weights = cfg.loss.matryoshka_dims, cfg.loss.matryoshka_weights
     if dims is not None:
         if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
             raise ConfigError(f"loss.matryoshka_dims: a non-empty list of positive integers, got {dims!r}")
-        if cfg.loss.impl != "infcl":
-            raise ConfigError(f"loss.matryoshka_dims: used with loss.impl 'infcl' (the retrieval task); loss.impl is {cfg.loss.impl!r}")
+        if "retrieval" not in features:
+            raise ConfigError(f"loss.matryoshka_dims: used with loss.impl {named('retrieval')} (the retrieval task); "
+                              f"loss.impl is {impl!r}")
     if weights is not None and (dims is None or len(weights) != len(dims)):
         raise ConfigError(f"loss.matryoshka_weights: one weight per entry of loss.matryoshka_dims, got {weights!r} for {dims!r}")
     _allowed("loss.backend", cfg.loss.backend, BACKENDS)

@@ -65,3 +65,28 @@ def test_retrieval_module_from_defaults_and_config():
                       init_logit_scale=math.log(5.0), symmetric=True, backend="torch")
     assert isinstance(loss, RetrievalLoss) and loss.symmetric and not loss.mask_false_negatives
     assert loss.scale.item() == pytest.approx(5.0)
+
+
+def test_features_not_names_decide_what_a_loss_takes(monkeypatch):
+    # The run config's checks and the tasks ask the registry for a loss's features: a loss
+    # registered with a feature is treated like the built-in one that has it, named nowhere else.
+    from ds_infcl.loss import loss_features, losses_with, registry
+    from ds_infcl.train.config import ConfigError, run_config_from_dict
+
+    assert {"logit_bias", "multi_positive"} <= loss_features("siglip") and "directed" not in loss_features("siglip")
+    assert losses_with("retrieval") == ("infcl",) and "run_config" not in loss_features("retrieval")
+    with pytest.raises(ValueError, match="unknown loss feature 'bias'"):
+        losses_with("bias")
+    with pytest.raises(ValueError, match="unknown features \\['fast'\\]"):
+        registry.register_loss_module("fast_one", lambda s: None, features=("fast",))
+    base = {"batch": {"global_batch_size": 8}, "train": {"num_steps": 1}}
+    with pytest.raises(ConfigError, match="loss.init_logit_bias: only used by loss.impl 'siglip'; loss.impl is 'infcl'"):
+        run_config_from_dict({**base, "loss": {"impl": "infcl", "init_logit_bias": -10.0}})
+    monkeypatch.setitem(registry._BUILDERS, "mine", (lambda settings: None, None))
+    monkeypatch.setitem(registry._FEATURES, "mine", frozenset({"logit_bias", "run_config"}))
+    cfg = run_config_from_dict({**base, "loss": {"impl": "mine", "init_logit_bias": -10.0}})
+    assert cfg.loss.impl == "mine"
+    with pytest.raises(ConfigError, match="only used by loss.impl 'mine' or 'siglip'"):
+        run_config_from_dict({**base, "loss": {"impl": "infcl", "init_logit_bias": -10.0}})
+    with pytest.raises(ConfigError, match="loss.symmetric: not used by loss.impl 'mine'"):
+        run_config_from_dict({**base, "loss": {"impl": "mine", "symmetric": True}})
