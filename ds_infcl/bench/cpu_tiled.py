@@ -11,13 +11,14 @@ Symmetric loss, float32, forward + backward, c = 256 by default.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
 import subprocess
 import sys
 from datetime import date
+
+from ds_infcl.bench.results import write_rows_csv
 
 _WORKER = r"""
 import json, sys, time, torch
@@ -99,10 +100,7 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "cpu_tiled.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(csv_rows[0]))
-            w.writeheader()
-            w.writerows(csv_rows)
+        write_rows_csv(os.path.join(args.out, "cpu_tiled.csv"), csv_rows)
         import torch
 
         meta = (f"Measured {date.today().isoformat()} on {platform.processor() or platform.machine()}, "

@@ -24,7 +24,6 @@ GPU rows are ``skipped`` (with the reason) without CUDA and torchvision. Results
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ds_infcl.bench.results import write_rows_csv
 from ds_infcl.data import BadSampleTally, ImageTextShards, ImageTransform, image_text_loader
 from ds_infcl.data.device_decode import EncodedImages, JpegBatchDecoder, gpu_decode_problem
 from ds_infcl.data.rebatch import Rebatch
@@ -217,10 +217,7 @@ def main(argv: Optional[List[str]] = None, *, decode=None) -> int:
     table = _table(rows, header)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(os.path.join(args.out, "results.csv"), rows, FIELDS)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"header": header, "args": vars(args), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "results.md"), "w") as f:

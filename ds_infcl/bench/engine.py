@@ -150,6 +150,18 @@ def launcher_command(num_gpus: int, trainer: List[str]) -> List[str]:
             *trainer]
 
 
+def _case_row(status: str, wall: float, **case) -> Dict:
+    """A table row: the ``case``'s columns, then ``status``, the measured columns left empty (a case
+    that ran fills them from its summary) and the wall time."""
+    return {**case, "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "",
+            "peak_mem_gib": "", "wall_s": round(wall, 1)}
+
+
+def _summary(out: str) -> Dict:
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     out = os.path.join(args.out, tag.replace("+", "_"))
     shutil.rmtree(out, ignore_errors=True)
@@ -175,12 +187,10 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     status, wall, text = _launch(cmd, log_path, args.case_timeout)
     if status == "failed":
         print(f"[bench] {tag} failed; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-30:]), flush=True)
-    row = {"impl": impl, "global_batch": global_batch, "gpus": args.num_gpus, "chunk": run["batch"]["chunk_size"], "steps": steps,
-           "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
-           "wall_s": round(wall, 1)}
+    row = _case_row(status, wall, impl=impl, global_batch=global_batch, gpus=args.num_gpus,
+                    chunk=run["batch"]["chunk_size"], steps=steps)
     if status == "ok":
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
+        s = _summary(out)
         row["samples_per_s"] = round(s["samples_per_s"], 1)
         row["samples_per_s_per_gpu"] = round(s["samples_per_s"] / args.num_gpus, 1)
         with open(os.path.join(out, "run_config.json")) as f:
@@ -221,14 +231,11 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"})
     if status in ("failed", "no open_clip"):
         print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
-    row = {"impl": mode_name(compiled, accum_freq, gc), "phase": "openclip",
-           "global_batch": batch_per_gpu * args.num_gpus, "gpus": args.num_gpus,
-           "chunk": batch_per_gpu // accum_freq if accum_freq > 1 else "", "steps": args.openclip_steps,
-           "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "", "peak_mem_gib": "",
-           "wall_s": round(wall, 1)}
+    row = _case_row(status, wall, impl=mode_name(compiled, accum_freq, gc), phase="openclip",
+                    global_batch=batch_per_gpu * args.num_gpus, gpus=args.num_gpus,
+                    chunk=batch_per_gpu // accum_freq if accum_freq > 1 else "", steps=args.openclip_steps)
     if status == "ok":
-        with open(os.path.join(out, "summary.json")) as f:
-            s = json.load(f)
+        s = _summary(out)
         row["samples_per_s_per_gpu"] = round(s["samples_per_s_per_gpu"], 1)
         row["samples_per_s"] = round(s["samples_per_s_per_gpu"] * args.num_gpus, 1)
         row["step_time_s"] = round(s["step_time_s"], 3)

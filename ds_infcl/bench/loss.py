@@ -29,14 +29,14 @@ matplotlib is installed) under ``--out``, and prints a table.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import re
 import sys
 import time
 from datetime import datetime, timezone
 
 import torch
+
+from ds_infcl.bench.results import file_tag, write_rows_csv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("triton", "torch", "materialized", "openclip")
@@ -297,14 +297,9 @@ def main(argv=None) -> int:
           f"the start's {mm_start:.0f}; the % mm above divide by {divisor})", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_").lower()
+        tag = file_tag(gpu)
         path = os.path.join(args.out, f"loss_{tag}.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(path, rows, FIELDS, append=True)
         print(f"csv written: {path}")
         if not args.no_png:
             from ds_infcl.bench.plots import loss_plot

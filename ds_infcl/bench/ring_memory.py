@@ -16,7 +16,6 @@ largest over the ranks, next to ``(b + m) * c * 4`` bytes (the local features) a
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import os
@@ -28,6 +27,8 @@ from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
+
+from ds_infcl.bench.results import write_rows_csv
 
 IMPLS = ("infcl", "local", "vanilla")
 # infcl with its algorithm pinned (DS_INFCL_ALGORITHM): the ring, or one all-gather of the features
@@ -160,10 +161,7 @@ def main(argv=None):
     rows = measure(args.world, args.batch, args.impls, args.dim, args.tile, args.max_logits)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ring_memory.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows_csv(os.path.join(args.out, "ring_memory.csv"), rows)
     print(format_table(rows))
 
 

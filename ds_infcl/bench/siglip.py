@@ -25,15 +25,14 @@ prints a table last.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import re
 import sys
 from datetime import datetime, timezone
 
 import torch
 
 from ds_infcl.bench.loss import _quantile, _time, matmul_tflops
+from ds_infcl.bench.results import file_tag, write_rows_csv
 
 PROVIDERS = ("ours", "materialized", "openclip")
 FIELDS = ["gpu", "date", "world", "provider", "b", "global_batch", "c", "dtype", "ms", "p20_ms", "p80_ms",
@@ -263,14 +262,9 @@ def main(argv=None) -> int:
                   f"{str(r['pct_matmul']):>5s} {str(r['extra_gib']):>9s} {str(r['weak_eff']):>9s}  {r['note']}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            tag = re.sub(r"[^A-Za-z0-9]+", "_", gpu).strip("_").lower() + (f"_w{world}" if args.dist else "")
+            tag = file_tag(gpu) + (f"_w{world}" if args.dist else "")
             path = os.path.join(args.out, f"siglip_{tag}.csv")
-            new = not os.path.exists(path)
-            with open(path, "a", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=FIELDS)
-                if new:
-                    w.writeheader()
-                w.writerows(rows)
+            write_rows_csv(path, rows, FIELDS, append=True)
             print(f"csv written: {path}")
             if not args.no_png:
                 _plot(rows, os.path.join(args.out, f"siglip_{tag}.png"))

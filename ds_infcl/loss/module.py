@@ -17,7 +17,17 @@ from ds_infcl.ops.validation import check_tile_size
 __all__ = ["ContrastiveLoss"]
 
 
-class ContrastiveLoss(nn.Module):
+class ClampedScaleModule(nn.Module):
+    """Base of the loss modules with a learnable temperature: ``scale`` is
+    ``exp(clamp(logit_scale, max=max_logit_scale))``; the subclass sets both attributes."""
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale ``exp(clamp(logit_scale, max=max_logit_scale))``."""
+        return self.logit_scale.clamp(max=self.max_logit_scale).exp()
+
+
+class ContrastiveLoss(ClampedScaleModule):
     """InfoNCE over the global batch with a learnable temperature.
 
     The scale is ``exp(logit_scale)``, with ``logit_scale`` initialised to ``log(1 / 0.07)`` and
@@ -82,11 +92,6 @@ class ContrastiveLoss(nn.Module):
         self.backend = backend
         self.group = group
         self.tile_size = tile_size
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale ``exp(clamp(logit_scale, max=max_logit_scale))``."""
-        return self.logit_scale.clamp(max=self.max_logit_scale).exp()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, labels: Optional[torch.Tensor] = None):
         return contrastive_loss(

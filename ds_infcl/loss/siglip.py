@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.loss.functional import _as_scale_tensor
+from ds_infcl.loss.module import ClampedScaleModule
 from ds_infcl.loss.registry import register_loss_module
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
@@ -251,7 +252,7 @@ def siglip_loss(
     return global_sum_with_grad(share, layout, group)
 
 
-class SigLIPLoss(nn.Module):
+class SigLIPLoss(ClampedScaleModule):
     """SigLIP's sigmoid loss over the global batch with a learnable scale and bias.
 
     The scale is ``exp(logit_scale)`` (init ``log 10``, clamped to at most ``max_logit_scale`` in
@@ -306,11 +307,6 @@ class SigLIPLoss(nn.Module):
         self.backend = backend
         self.group = group
         self.tile_size = tile_size
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale ``exp(clamp(logit_scale, max=max_logit_scale))``."""
-        return self.logit_scale.clamp(max=self.max_logit_scale).exp()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
                 query_ids: Optional[torch.Tensor] = None, key_ids: Optional[torch.Tensor] = None):

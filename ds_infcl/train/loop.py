@@ -20,19 +20,10 @@ def train(
     ds_config_source: str = "DeepSpeed config",
     save_params: Optional[str] = None,
 ) -> TrainSummary:
-    """Train ``cfg.task`` with DeepSpeed on every rank of the launched world.
+    """Train ``cfg.task`` with DeepSpeed on every rank of the launched world: ``Trainer(...).fit()``.
 
-    Args:
-        cfg: validated run config.
-        ds_config: the DeepSpeed config as a dict (batch fields may be missing or ``"auto"``).
-        resume: ``None`` (start fresh), ``"auto"`` (newest checkpoint in the checkpoint dir, if
-            any) or a checkpoint path (see ``checkpoint.resolve_resume``).
-        ds_config_source: name of the DeepSpeed config in error messages.
-        save_params: write the final (gathered) parameters as float32 to this ``.pt`` file on
-            rank 0 (tests compare runs with it).
-
-    The watchdog, the data stream, the metrics logger and the engine are released however the run
-    ends (``Trainer.close``).
+    The arguments are ``Trainer``'s (documented there). The watchdog, the data stream, the metrics
+    logger and the engine are released however the run ends (``Trainer.close``).
     """
     with Trainer(cfg, ds_config, resume=resume, ds_config_source=ds_config_source, save_params=save_params) as trainer:
         return trainer.fit()

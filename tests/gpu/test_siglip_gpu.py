@@ -22,18 +22,9 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "
 from ds_infcl.bench.loss import capture_graph  # noqa: E402
 from ds_infcl.loss import siglip_loss  # noqa: E402
 from ds_infcl.ops.siglip import siglip_backward_torch, siglip_forward_torch, siglip_ids, siglip_reference  # noqa: E402
-from tests.ops.accuracy import error_bound, rel_err  # noqa: E402
+from tests.ops.accuracy import error_bound, features, rel_err  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _features(b, m, c, seed, normalize=True):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, c, device="cuda", generator=g, dtype=torch.float64)
-    k = torch.randn(m, c, device="cuda", generator=g, dtype=torch.float64)
-    if normalize:
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    return q, k
 
 
 def _positives(kind, b, m):
@@ -65,7 +56,7 @@ CASES = [(1, 1000, 512, 10.0, -10.0, "diag"), (1000, 1000, 768, 10.0, -10.0, "di
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("b,m,c,scale,bias,kind", CASES)
 def test_kernels_match_float64(dtype, b, m, c, scale, bias, kind):
-    q, k = _features(b, m, c, seed=b + m, normalize=scale < 100)
+    q, k = features(b, m, c, seed=b + m, normalize=scale < 100, device="cuda")
     pos = _positives(kind, b, m)
     dt = DTYPES[dtype]
     ours = _run(lambda *a: siglip_loss(*a, backend="triton", **pos), q, k, scale, bias, dt)
@@ -91,7 +82,7 @@ def test_benchmark_shape_against_tiled_fp32(dtype):
     # 16,384 x 512: the float64 b x b reference would take 2 GiB per matrix; the tiled path in
     # float32 on the same rounded inputs is a reference far more accurate than 16-bit.
     b, c = 16384, 512
-    q, k = _features(b, b, c, seed=3)
+    q, k = features(b, b, c, seed=3, device="cuda")
     dt = DTYPES[dtype]
     qq, kk = q.to(dt), k.to(dt)
     s, t = torch.tensor(10.0, device="cuda"), torch.tensor(-10.0, device="cuda")
@@ -113,7 +104,7 @@ def test_benchmark_shape_against_tiled_fp32(dtype):
 
 def test_graph_capture_replays_eager():
     b, c = 4096, 512
-    q, k = _features(b, b, c, seed=5)
+    q, k = features(b, b, c, seed=5, device="cuda")
     qq = q.to(torch.bfloat16).requires_grad_()
     kk = k.to(torch.bfloat16).requires_grad_()
     s = torch.tensor(10.0, device="cuda", requires_grad=True)
@@ -127,7 +118,7 @@ def test_graph_capture_replays_eager():
         out["loss"] = loss
 
     graph = capture_graph(step)
-    q2, k2 = _features(b, b, c, seed=6)
+    q2, k2 = features(b, b, c, seed=6, device="cuda")
     with torch.no_grad():
         qq.copy_(q2.to(torch.bfloat16))
         kk.copy_(k2.to(torch.bfloat16))

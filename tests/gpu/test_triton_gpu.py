@@ -22,7 +22,7 @@ from ds_infcl.bench.loss import capture_graph  # noqa: E402
 from ds_infcl.loss import contrastive_loss  # noqa: E402
 from ds_infcl.ops import contrastive_loss_reference, lse_reference  # noqa: E402
 from ds_infcl.ops import triton_lse  # noqa: E402
-from tests.ops.accuracy import error_bound, rel_err  # noqa: E402
+from tests.ops.accuracy import error_bound, features, rel_err  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -34,15 +34,6 @@ def _bound(dtype, plain):
         # single rounding is about one bf16 ulp of the result.
         return max(error_bound(dtype, plain), 5e-3)
     return error_bound(dtype, plain)
-
-
-def _features(b, m, c, seed, normalize=True):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, c, device="cuda", generator=g, dtype=torch.float64)
-    k = torch.randn(m, c, device="cuda", generator=g, dtype=torch.float64)
-    if normalize:
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    return q, k
 
 
 def _loss_and_grads(fn, q, k, scale, dtype, upstream):
@@ -60,7 +51,7 @@ def _loss_three_ways(b, m, c, scale, label_kind, symmetric, dt, label_seed):
     in ``dt``, and the float64 reference, on the same inputs (rounded to ``dt`` first); labels
     random (seeded by ``label_seed``) or the diagonal. ``got`` runs last, so ``_LAST_KERNELS``
     holds its kernels."""
-    q, k = _features(b, m, c, seed=b + m + c)
+    q, k = features(b, m, c, seed=b + m + c, device="cuda")
     q, k = q.to(dt).double(), k.to(dt).double()  # every path sees the same inputs
     labels = None
     if label_kind == "random":
@@ -114,7 +105,7 @@ def test_loss_matches_fp64(b, m, c, scale, label_kind, symmetric, dtype):
 def test_op_exclude_positive_arbitrary_weights(b, m, c, scale, dtype):
     """The op: both LSE vectors and gradients of sum(w_row * row) + sum(w_col * col)."""
     dt = DTYPES[dtype]
-    q, k = _features(b, m, c, seed=7)
+    q, k = features(b, m, c, seed=7, device="cuda")
     q, k = q.to(dt), k.to(dt)
     g = torch.Generator(device="cuda").manual_seed(3)
     labels = torch.randint(0, m, (b,), device="cuda", generator=g)
@@ -276,7 +267,7 @@ def _lse_check(label, got, want, dt):
 def test_forward_gluon_and_triton_match_fp64(b, m, c, scale, exclude, dtype, impl, monkeypatch):
     monkeypatch.setenv("DS_INFCL_GLUON", "1" if impl == "gluon" else "0")
     dt = DTYPES[dtype]
-    q, k = _features(b, m, c, seed=11)
+    q, k = features(b, m, c, seed=11, device="cuda")
     q, k = q.to(dt), k.to(dt)
     labels = None
     if exclude == "random":

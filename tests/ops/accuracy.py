@@ -5,11 +5,12 @@ import torch
 FP32_RTOL = 1e-5
 
 
-def features(b, m, c, *, normalize=True, seed=0):
-    """Float64 queries ``[b, c]`` and keys ``[m, c]`` (unit rows unless ``normalize=False``)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, c, generator=g, dtype=torch.float64)
-    k = torch.randn(m, c, generator=g, dtype=torch.float64)
+def features(b, m, c, *, normalize=True, seed=0, device="cpu"):
+    """Float64 queries ``[b, c]`` and keys ``[m, c]`` on ``device`` (unit rows unless
+    ``normalize=False``), drawn there by a generator of that device seeded with ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, c, device=device, generator=g, dtype=torch.float64)
+    k = torch.randn(m, c, device=device, generator=g, dtype=torch.float64)
     if normalize:
         q = torch.nn.functional.normalize(q, dim=-1)
         k = torch.nn.functional.normalize(k, dim=-1)

@@ -77,15 +77,15 @@ def test_a_rank_that_rejects_its_inputs_stops_every_rank_over_shared_memory():
     assert after0 == after1 == (3, 3)
 
 
-def _missing(rank, world, payload):
-    from ds_infcl.ring import host_exchange
+def _rank1_misses_a_call(rank, absent_s):
+    """After the channel is set up, rank 1 sleeps ``absent_s`` and leaves (one loss call fewer than
+    rank 0); rank 0 returns (the error of its exchange, seconds it waited)."""
     from ds_infcl.ring.layout import exchange_layout
 
-    host_exchange.MODE, host_exchange.TIMEOUT_S = "1", 1.0
     for _ in range(2):  # (the channel set up)
         exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
     if rank == 1:  # calls the loss once fewer than rank 0
-        time.sleep(3.0)
+        time.sleep(absent_s)
         return "left"
     start = time.monotonic()
     try:
@@ -93,6 +93,13 @@ def _missing(rank, world, payload):
     except RuntimeError as err:
         return str(err), time.monotonic() - start
     return "no error", 0.0
+
+
+def _missing(rank, world, payload):
+    from ds_infcl.ring import host_exchange
+
+    host_exchange.MODE, host_exchange.TIMEOUT_S = "1", 1.0
+    return _rank1_misses_a_call(rank, 3.0)
 
 
 def test_a_rank_that_never_arrives_is_an_error_naming_it():
@@ -177,20 +184,10 @@ def test_a_bad_setting_stops_the_import():
 
 def _missing_short_group_timeout(rank, world, payload):
     from ds_infcl.ring import host_exchange
-    from ds_infcl.ring.layout import exchange_layout
 
     host_exchange.MODE = "1"  # DS_INFCL_LAYOUT_SHM_TIMEOUT left at its default, 1800 s
-    for _ in range(2):  # (the channel set up)
-        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
-    if rank == 1:
-        time.sleep(5.0)
-        return "left"
-    start = time.monotonic()
-    try:
-        exchange_layout(torch.zeros(2, C), torch.zeros(2, C), None)
-    except RuntimeError as err:
-        return str(err), time.monotonic() - start, host_exchange.TIMEOUT_S
-    return "no error", 0.0, host_exchange.TIMEOUT_S
+    result = _rank1_misses_a_call(rank, 5.0)
+    return result if rank == 1 else (*result, host_exchange.TIMEOUT_S)
 
 
 def test_the_wait_ends_at_the_process_groups_own_timeout():

@@ -243,13 +243,13 @@ def test_nan_key_on_a_rank_without_queries():
             assert res[(alg, False)] != res[(alg, False)], (rank, alg, res[(alg, False)])  # NaN
 
 
-def _settings_worker(rank, world, payload):
+def _algorithm_setting_worker(rank, world, rank1_setting):
+    """Rank 1 runs the loss with DS_INFCL_ALGORITHM=``rank1_setting``, rank 0 with it unset; returns
+    the ValueError's message (or "no error")."""
     from ds_infcl.loss import contrastive_loss
 
-    # Rank 1 was launched with another algorithm pinned: every rank must stop with the same error,
-    # before either algorithm's collectives start (on NCCL they would wait on each other forever).
     if rank == 1:
-        os.environ["DS_INFCL_ALGORITHM"] = "ring"
+        os.environ["DS_INFCL_ALGORITHM"] = rank1_setting
     else:
         os.environ.pop("DS_INFCL_ALGORITHM", None)
     q = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
@@ -262,31 +262,17 @@ def _settings_worker(rank, world, payload):
 
 
 def test_ranks_with_different_algorithm_settings_stop_with_one_error():
-    results = spawn(_settings_worker, 2, None, timeout=90)
+    # Rank 1 was launched with another algorithm pinned: every rank must stop with the same error,
+    # before either algorithm's collectives start (on NCCL they would wait on each other forever).
+    results = spawn(_algorithm_setting_worker, 2, "ring", timeout=90)
     for rank, msg in enumerate(results):
         assert "disagree on the algorithm settings" in msg and "DS_INFCL_ALGORITHM" in msg, (rank, msg)
 
 
-def _bad_setting_worker(rank, world, payload):
-    from ds_infcl.loss import contrastive_loss
-
+def test_a_bad_algorithm_setting_on_one_rank_stops_every_rank():
     # Rank 1 has a DS_INFCL_ALGORITHM that names no algorithm: it raises before the layout exchange
     # (ring_fused.own_block_early, as choose_algorithm would), and tells rank 0, which raises too.
-    if rank == 1:
-        os.environ["DS_INFCL_ALGORITHM"] = "fast"
-    else:
-        os.environ.pop("DS_INFCL_ALGORITHM", None)
-    q = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
-    k = torch.nn.functional.normalize(torch.randn(4, C), dim=1).requires_grad_()
-    try:
-        contrastive_loss(q, k, torch.tensor(SCALE), symmetric=True, impl="infcl", backend="torch")
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
-def test_a_bad_algorithm_setting_on_one_rank_stops_every_rank():
-    rank0, rank1 = spawn(_bad_setting_worker, 2, None, timeout=90)
+    rank0, rank1 = spawn(_algorithm_setting_worker, 2, "fast", timeout=90)
     assert rank1 == "DS_INFCL_ALGORITHM must be auto, ring or gather, got 'fast'", rank1
     assert "rank(s) [1] of the process group rejected their local inputs" in rank0, rank0
 

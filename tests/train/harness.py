@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -110,3 +111,51 @@ def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
+
+def launch_train(cfg_path: pathlib.Path, ds_config: str, log, extra=(), ranks: int = 2,
+                 env_extra: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """Start ``deepspeed --module ds_infcl.train`` on ``ranks`` CPU ranks (own process group)."""
+    cmd = [str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module",
+           "ds_infcl.train", "--deepspeed_config", ds_config, "--config", str(cfg_path), *extra]
+    return subprocess.Popen(cmd, env={**env(), **(env_extra or {})}, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
+
+
+def metrics_rows(run_dir: pathlib.Path) -> List[dict]:
+    """The rows of ``run_dir/metrics.csv`` so far (none before the file exists)."""
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def wait_for_steps(run_dir: pathlib.Path, n: int, proc: subprocess.Popen, event: str, timeout: int = 240) -> None:
+    """Wait until ``n`` steps are logged; fail if ``proc`` ends first or ``timeout`` s pass
+    (``event`` names what the test does next, for the failure message)."""
+    t0 = time.time()
+    while len(metrics_rows(run_dir)) < n:
+        assert proc.poll() is None, f"the job ended before {event}"
+        assert time.time() - t0 < timeout, f"the job did not reach the step of {event}"
+        time.sleep(0.2)
+
+
+def write_run_config(directory: pathlib.Path, num_steps: int, **sections: dict) -> pathlib.Path:
+    """Write a run config of the synthetic task (global batch 16, a metrics row every step, no
+    checkpoint unless ``sections`` says so, output in ``directory/run``) as the next
+    ``directory/run<i>.json``; each of ``sections`` is merged into that section of the config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "task": {"name": "synthetic", "args": {"input_dim": 16, "embed_dim": 8, "num_samples": 512}},
+        "batch": {"global_batch_size": 16},
+        "train": {"num_steps": num_steps, "seed": 0},
+        "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": False},
+        "eval": {"at_end": False},
+        "checkpoint": {"every_steps": 0, "at_end": False, "export_final": False},
+        "output_dir": str(directory / "run"),
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    path = directory / f"run{len(list(directory.glob('run*.json')))}.json"
+    path.write_text(json.dumps(cfg))
+    return path

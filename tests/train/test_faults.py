@@ -10,8 +10,6 @@
   ZeRO-0 it continues the same global batch and data position.
 """
 
-import csv
-import json
 import os
 import signal
 import subprocess
@@ -29,43 +27,11 @@ ZERO0 = str(h.REPO / "ds_configs" / "zero0.json")
 
 
 def _config(tmp_path, num_steps, **sections):
-    cfg = {
-        "task": {"name": "synthetic", "args": {"input_dim": 16, "embed_dim": 8, "num_samples": 512}},
-        "batch": {"global_batch_size": 16},
-        "train": {"num_steps": num_steps, "seed": 0},
-        "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": False},
-        "eval": {"at_end": False},
-        "checkpoint": {"every_steps": 0, "at_end": False, "export_final": False},
-        "output_dir": str(tmp_path / "run"),
-    }
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
-    path = tmp_path / f"run{len(list(tmp_path.glob('run*.json')))}.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    return h.write_run_config(tmp_path, num_steps, **sections)
 
 
 def _launch(cfg_path, ds_config=ZERO2, ranks=2, extra=(), log=None, env=None):
-    cmd = [str(h.DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(h.free_port()), "--module",
-           "ds_infcl.train", "--deepspeed_config", ds_config, "--config", str(cfg_path), *extra]
-    return subprocess.Popen(cmd, env={**h.env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=h.REPO, start_new_session=True)
-
-
-def _rows(run_dir):
-    path = run_dir / "metrics.csv"
-    if not path.is_file():
-        return []
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def _wait_for_steps(run_dir, n, proc, timeout=240):
-    t0 = time.time()
-    while len(_rows(run_dir)) < n:
-        assert proc.poll() is None, "the job ended before the fault was injected"
-        assert time.time() - t0 < timeout, "the job did not reach the step of the fault"
-        time.sleep(0.2)
+    return h.launch_train(cfg_path, ds_config, log, extra=extra, ranks=ranks, env_extra=env)
 
 
 def _rank_process(launcher_pid, rank):
@@ -83,7 +49,7 @@ def test_a_killed_rank_ends_the_job_within_seconds(tmp_path):
     log = open(tmp_path / "job.log", "w")
     proc = _launch(cfg, log=log)
     try:
-        _wait_for_steps(tmp_path / "run", 3, proc)
+        h.wait_for_steps(tmp_path / "run", 3, proc, "the fault")
         job = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         victim = _rank_process(proc.pid, 1)
         t0 = time.time()
@@ -117,7 +83,7 @@ def test_a_rank_that_stops_answering_ends_the_others_after_dist_timeout(tmp_path
                                        "--config", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
                                       cwd=h.REPO, start_new_session=True))
     try:
-        _wait_for_steps(tmp_path / "run", 3, procs[0])
+        h.wait_for_steps(tmp_path / "run", 3, procs[0], "the fault")
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
         rc = h.wait(procs[0], 90)
@@ -138,7 +104,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path
     reference = _config(tmp_path / "ref", 12, checkpoint=ckpt) if (tmp_path / "ref").mkdir() is None else None
     with open(tmp_path / "ref.log", "w") as log:
         assert h.wait(_launch(reference, log=log), 300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    expected = {int(r["step"]): float(r["loss"]) for r in _rows(tmp_path / "ref" / "run")}
+    expected = {int(r["step"]): float(r["loss"]) for r in h.metrics_rows(tmp_path / "ref" / "run")}
 
     cfg = _config(tmp_path, 12, checkpoint=ckpt)
     with open(tmp_path / "killed.log", "w") as log:
@@ -156,7 +122,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path
         rc = h.wait(_launch(cfg, log=log, extra=["--resume"]), 300)
     text = (tmp_path / "resumed.log").read_text()
     assert rc == 0 and "resumed from" in text and "step00000004 at step 4" in text, text[-3000:]
-    got = {int(r["step"]): float(r["loss"]) for r in _rows(tmp_path / "run")}
+    got = {int(r["step"]): float(r["loss"]) for r in h.metrics_rows(tmp_path / "run")}
     assert sorted(got) == list(range(1, 13))
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert (ckpt_dir / "latest").read_text() == "step00000012"
@@ -183,7 +149,7 @@ def test_resume_on_one_rank_under_zero0_keeps_the_global_batch(tmp_path):
     ref_cfg = _config(tmp_path / "ref", 8) if (tmp_path / "ref").mkdir() is None else None
     with open(tmp_path / "ref.log", "w") as log:
         assert h.wait(_launch(ref_cfg, ds_config=ZERO0, extra=sets, log=log), 300) == 0
-    expected = {int(r["step"]): float(r["loss"]) for r in _rows(tmp_path / "ref" / "run")}
+    expected = {int(r["step"]): float(r["loss"]) for r in h.metrics_rows(tmp_path / "ref" / "run")}
     first = _config(tmp_path, 4, checkpoint={"at_end": True})
     with open(tmp_path / "two.log", "w") as log:
         assert h.wait(_launch(first, ds_config=ZERO0, extra=sets, log=log), 300) == 0
@@ -192,6 +158,6 @@ def test_resume_on_one_rank_under_zero0_keeps_the_global_batch(tmp_path):
                           "--resume", *sets], env=h.env(), cwd=h.REPO, capture_output=True, text=True, timeout=180)
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
     assert "world size changed (2 -> 1)" in one.stdout
-    got = {int(r["step"]): float(r["loss"]) for r in _rows(tmp_path / "run")}
+    got = {int(r["step"]): float(r["loss"]) for r in h.metrics_rows(tmp_path / "run")}
     assert sorted(got) == list(range(1, 9))
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)

@@ -3,7 +3,6 @@ rank, or the launcher's death stops every rank at one step boundary with a check
 leaves no process behind; ``--resume`` then continues with the losses of an uninterrupted run.
 Also: ``keep_last`` after a resume from an earlier tag keeps the new checkpoint (a real run)."""
 
-import csv
 import json
 import os
 import signal
@@ -44,42 +43,16 @@ def test_handler_records_the_signal_and_restores():
 
 
 def _config(directory, num_steps, **checkpoint):
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "task": {"name": "synthetic", "args": {"input_dim": 16, "embed_dim": 8, "num_samples": 512}},
-        "batch": {"global_batch_size": 16},
-        "train": {"num_steps": num_steps, "seed": 0},
-        "logging": {"every_steps": 1, "progress_bar": False, "tensorboard": False},
-        "eval": {"at_end": False},
-        "checkpoint": {"every_steps": 0, "at_end": False, "export_final": False, **checkpoint},
-        "output_dir": str(directory / "run"),
-    }
-    path = directory / f"run{len(list(directory.glob('run*.json')))}.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    return h.write_run_config(directory, num_steps, checkpoint=checkpoint)
 
 
 def _launch(cfg_path, log, extra=(), ranks=2):
-    cmd = [str(h.DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(h.free_port()), "--module",
-           "ds_infcl.train", "--deepspeed_config", ZERO2, "--config", str(cfg_path), *NO_SCHEDULE, *extra]
-    return subprocess.Popen(cmd, env=h.env(), stdout=log, stderr=subprocess.STDOUT, cwd=h.REPO, start_new_session=True)
+    return h.launch_train(cfg_path, ZERO2, log, extra=[*NO_SCHEDULE, *extra], ranks=ranks)
 
 
-def _rows(run_dir):
-    path = run_dir / "metrics.csv"
-    if not path.is_file():
-        return []
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def _job_after_steps(run_dir, n, proc, timeout=240):
+def _job_after_steps(run_dir, n, proc):
     """The job's processes (launcher and ranks) once ``n`` steps are logged."""
-    t0 = time.time()
-    while len(_rows(run_dir)) < n:
-        assert proc.poll() is None, "the job ended before the signal"
-        assert time.time() - t0 < timeout, "the job did not reach the step of the signal"
-        time.sleep(0.2)
+    h.wait_for_steps(run_dir, n, proc, "the signal")
     return [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
 
 
@@ -112,6 +85,23 @@ def _finish(proc, pids):
         os.kill(pid, signal.SIGKILL)
 
 
+def _signal_the_job(tmp_path, log_name, send):
+    """Start an endless 2-rank run, call ``send(proc, pids)`` (the launcher's process; its pid and
+    its descendants') once 3 steps are logged, and wait up to 30 s for every process to end.
+    Returns (launcher process, pids, seconds until all were gone or None, the log's text)."""
+    cfg = _config(tmp_path, 100000)
+    with open(tmp_path / log_name, "w") as log:
+        proc = _launch(cfg, log)
+        pids = []
+        try:
+            pids = _job_after_steps(tmp_path / "run", 3, proc)
+            send(proc, pids)
+            gone_after = _wait_gone(pids, proc)
+        finally:
+            _finish(proc, pids)
+    return proc, pids, gone_after, (tmp_path / log_name).read_text()
+
+
 def _saved_step(ckpt_dir):
     tag = (ckpt_dir / "latest").read_text()
     return json.loads((ckpt_dir / tag / RECORD).read_text())["step"], tag
@@ -120,21 +110,12 @@ def _saved_step(ckpt_dir):
 @slow
 def test_sigterm_to_the_launcher_saves_at_the_step_and_resume_continues(tmp_path):
     """Today's main: SIGTERM to ``deepspeed`` ends it alone; both ranks go on training, orphaned."""
-    cfg = _config(tmp_path, 100000)
-    with open(tmp_path / "stopped.log", "w") as log:
-        proc = _launch(cfg, log)
-        pids = []
-        try:
-            pids = _job_after_steps(tmp_path / "run", 3, proc)
-            proc.send_signal(signal.SIGTERM)
-            gone_after = _wait_gone(pids, proc)
-        finally:
-            _finish(proc, pids)
-    text = (tmp_path / "stopped.log").read_text()
+    sigterm = lambda proc, pids: proc.send_signal(signal.SIGTERM)  # noqa: E731
+    proc, pids, gone_after, text = _signal_the_job(tmp_path, "stopped.log", sigterm)
     assert gone_after is not None, f"processes left 30 s after SIGTERM: {_alive(pids)}\n{text[-3000:]}"
     step, tag = _saved_step(tmp_path / "run" / "checkpoints")
     assert f"stopped by SIGTERM at step {step}, checkpoint {tag}" in text, text[-3000:]
-    assert len(_rows(tmp_path / "run")) == step  # it stopped at the step it saved
+    assert len(h.metrics_rows(tmp_path / "run")) == step  # it stopped at the step it saved
 
     more = _config(tmp_path, step + 3)
     with open(tmp_path / "resumed.log", "w") as log:
@@ -155,22 +136,15 @@ def test_sigterm_to_the_launcher_saves_at_the_step_and_resume_continues(tmp_path
 def test_a_signal_to_a_rank_or_the_launchers_death_stops_every_rank_with_a_checkpoint(tmp_path, target, sig):
     """A signal to one rank stops both at one step (they agree at each step boundary); SIGKILL of
     ``deepspeed.launcher.launch`` reaches the ranks as SIGTERM (PR_SET_PDEATHSIG)."""
-    cfg = _config(tmp_path, 100000)
-    with open(tmp_path / "job.log", "w") as log:
-        proc = _launch(cfg, log)
-        pids = []
-        try:
-            pids = _job_after_steps(tmp_path / "run", 3, proc)
-            procs = [psutil.Process(p) for p in pids[1:]]
-            if target == "launch":
-                victim = next(p for p in procs if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
-            else:
-                victim = next(p for p in procs if f"--local_rank={target[-1]}" in " ".join(p.cmdline()))
-            victim.send_signal(sig)
-            gone_after = _wait_gone(pids, proc)
-        finally:
-            _finish(proc, pids)
-    text = (tmp_path / "job.log").read_text()
+    def send(proc, pids):
+        procs = [psutil.Process(p) for p in pids[1:]]
+        if target == "launch":
+            victim = next(p for p in procs if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
+        else:
+            victim = next(p for p in procs if f"--local_rank={target[-1]}" in " ".join(p.cmdline()))
+        victim.send_signal(sig)
+
+    proc, pids, gone_after, text = _signal_the_job(tmp_path, "job.log", send)
     assert gone_after is not None, f"processes left 30 s after the signal: {_alive(pids)}\n{text[-3000:]}"
     step, tag = _saved_step(tmp_path / "run" / "checkpoints")
     name = "SIGTERM" if sig == signal.SIGKILL else signal.Signals(sig).name
