@@ -8,6 +8,7 @@ The per-rank script puts the repository root on ``sys.path`` before importing th
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -71,11 +72,18 @@ def launch_two_ranks(script: str, *args: str) -> str:
         port = s.getsockname()[1]
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
+    # Its own session: on a timeout the whole job (the runner, deepspeed.launcher.launch and both
+    # ranks) is killed, not only the runner (a hung rank would otherwise outlive the test).
+    proc = subprocess.Popen(
         [launcher, "--num_gpus", "2", "--master_port", str(port), os.path.abspath(script), *args],
-        capture_output=True, text=True, timeout=300, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
-    out = proc.stdout + proc.stderr
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError("the 2-rank run did not end within 300 s; its last output:\n" + out[-4000:]) from None
     assert proc.returncode == 0, out[-4000:]
     assert set(re.findall(r"RESULT rank(\d) ", out)) == {"0", "1"}, out[-4000:]
     return out
