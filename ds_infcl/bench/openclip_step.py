@@ -73,6 +73,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder for summary.json")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (OpenCLIP's default)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke tests only (one process)")
+    p.add_argument("--profile", metavar="DIR", help="after the timed steps, profile one more step and write its trace, "
+                   "operator table and device-time split (ds_infcl/train/profiling.py) to DIR")
     args = p.parse_args(argv)
     for key in ("batch_per_gpu", "accum_freq", "steps"):
         if getattr(args, key) < 1:
@@ -203,6 +205,15 @@ def run(args: argparse.Namespace) -> Dict:
     sync()
     seconds = time.perf_counter() - t0
     sps = B * args.steps / seconds  # per GPU
+    profile = None
+    if args.profile:  # one more step under the profiler, split by the trainer's rule
+        from ds_infcl.train.profiling import format_summary, profiled
+
+        with profiled(args.profile, mode_name(args.compile, args.accum_freq, args.grad_checkpointing), device,
+                      write=rank == 0) as profile:
+            step()
+        if rank == 0:
+            print(f"[openclip_step] {format_summary(profile['label'], profile)}", flush=True)
     peak = peak_tflops(device)
     tflops = flops * sps / 1e12
     summary = {
@@ -212,7 +223,7 @@ def run(args: argparse.Namespace) -> Dict:
         "samples_per_s_per_gpu": sps, "step_time_s": seconds / args.steps, "model_flops_per_sample": flops,
         "model_tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None, "losses": [float(x) for x in losses],
-        "open_clip_version": getattr(open_clip, "__version__", "?"),
+        "open_clip_version": getattr(open_clip, "__version__", "?"), "profile": profile,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
     if world > 1:

@@ -161,13 +161,16 @@ class LoggingConfig:
     """``logging``: metrics every ``every_steps`` steps to ``<output_dir>/metrics.csv``, TensorBoard
     (``<output_dir>/tensorboard``) and a progress bar on rank 0. ``peak_tflops``: the device's
     dense bf16/fp16 peak per GPU for the model-FLOPs utilization (``mfu``); ``None`` takes it from
-    a table of known GPUs (H100, H200, A100, ...), else MFU is not reported."""
+    a table of known GPUs (H100, H200, A100, ...), else MFU is not reported. ``profile_step``
+    (1-based, 0 = off): profile that step with ``torch.profiler`` and write its trace, operator
+    table and device-time split to ``<output_dir>/profile/`` (``ds_infcl/train/profiling.py``)."""
 
     every_steps: int = 1
     csv: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
     peak_tflops: Optional[float] = None
+    profile_step: int = 0
 
 
 @dataclass
@@ -391,6 +394,9 @@ def _validate(cfg: RunConfig) -> None:
     _positive("train.seed", cfg.train.seed, zero_ok=True)
     _positive("eval.every_steps", cfg.eval.every_steps, zero_ok=True)
     _positive("logging.every_steps", cfg.logging.every_steps)
+    if not 0 <= cfg.logging.profile_step <= cfg.train.num_steps:
+        raise ConfigError(f"logging.profile_step: {cfg.logging.profile_step} is not a step of this run "
+                          f"(1..train.num_steps = {cfg.train.num_steps}, or 0 for no profile)")
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, zero_ok=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, zero_ok=True)
     if not cfg.output_dir:

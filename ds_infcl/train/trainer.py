@@ -46,6 +46,7 @@ from ds_infcl.train.metrics import (
 )
 from ds_infcl.train.model import ContrastiveModel, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
+from ds_infcl.train.profiling import format_summary, profiled
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
 from ds_infcl.train.signals import StopOnSignal, StopRun
 from ds_infcl.train.steps import StepResult, grad_cache_step, uncached_step
@@ -321,7 +322,10 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()
-        result = self.forward_backward_step(batch)
+        if self.step + 1 == cfg.logging.profile_step:
+            result = self._profiled_step(batch)
+        else:
+            result = self.forward_backward_step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.time() - t0
@@ -352,6 +356,15 @@ class Trainer:
             return uncached_step(self.engine, batch, self.device)
         except ValueError as e:
             raise ValueError(f"step {self.step + 1}: {e}") from e
+
+    def _profiled_step(self, batch: Batch) -> StepResult:
+        """``forward_backward_step`` under ``torch.profiler`` (``logging.profile_step``); rank 0
+        writes ``<output_dir>/profile/`` and logs the step's device-time split."""
+        out = os.path.join(self.cfg.output_dir, "profile")
+        with profiled(out, f"step {self.step + 1}", self.device, write=self.rank == 0) as summary:
+            result = self.forward_backward_step(batch)
+        self.log(format_summary(f"step {self.step + 1} (rank {self.rank})", summary) + f"; files in {out}")
+        return result
 
     def _logit_scale(self) -> float:
         with torch.no_grad():

@@ -1,0 +1,118 @@
+"""Profile one training step: where its device time goes and how long the device sits idle.
+
+``logging.profile_step: N`` in the run config profiles step ``N`` (1-based) with ``torch.profiler``
+on every rank; rank 0 writes to ``<output_dir>/profile/``:
+
+- ``trace.json``: the Chrome/Perfetto trace (open it at https://ui.perfetto.dev);
+- ``ops.txt``: the operators sorted by their own device time;
+- ``summary.json`` and one log line: the step's wall time, the time its device kernels ran, the
+  idle share, and the kernel time split into categories (matrix multiplies, attention, the loss's
+  Triton kernels and the compiler's fused kernels, collectives, the optimizer, copies, the rest).
+
+The same ``profiled`` context serves the benchmarks that time a peer's step
+(``ds_infcl.bench.openclip_step --profile``), so both sides are split by one rule.
+
+Kernel time is summed per kernel; kernels on a side stream (the chunk feed's copies, NCCL) can
+overlap the main stream, so "busy" can exceed what one stream would show; "idle" is
+``1 - busy / wall`` clipped at 0 and means "the device waited on the host" only when nothing overlaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+__all__ = ["profiled", "kernel_category", "KERNEL_CATEGORIES", "summarize_kernels", "format_summary"]
+
+# First match wins: the pattern is searched in the lowercased kernel name.
+KERNEL_CATEGORIES: List[Tuple[str, str]] = [
+    ("collective", r"nccl|allreduce|all_gather|reduce_scatter|gloo"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient_attention|cudnn_attn"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|wgmma|matmul|\bmm\b|addmm|bmm"),
+    ("optimizer", r"multi_tensor|adam|lamb|lion|fused_optim|_foreach"),
+    ("copy", r"memcpy|memset|copy_|cat_|catarraybatched"),
+    ("loss kernels", r"_lse_|lse_|siglip|infonce|_tile_|gluon"),
+    ("compiled (inductor)", r"^triton_|triton_poi|triton_per|triton_red"),
+    ("norm", r"layer_norm|layernorm|rms_?norm|batch_norm"),
+]
+
+
+def kernel_category(name: str) -> str:
+    """The category of a device kernel by its name (``KERNEL_CATEGORIES``; else ``other``)."""
+    low = name.lower()
+    for category, pattern in KERNEL_CATEGORIES:
+        if re.search(pattern, low):
+            return category
+    return "other"
+
+
+def summarize_kernels(kernels: Dict[str, float], wall_s: float) -> Dict[str, object]:
+    """``kernels``: kernel name -> total device microseconds. The step's split by category."""
+    by_cat: Dict[str, float] = {}
+    for name, us in kernels.items():
+        cat = kernel_category(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+    busy_s = sum(kernels.values()) / 1e6
+    return {
+        "wall_ms": wall_s * 1e3,
+        "kernel_ms": busy_s * 1e3,
+        "idle_fraction": max(0.0, 1.0 - busy_s / wall_s) if wall_s > 0 else None,
+        "kernel_ms_by_category": {k: v / 1e3 for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": {k: v / 1e3 for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]},
+    }
+
+
+def _device_kernels(prof) -> Dict[str, float]:
+    """Kernel name -> total device microseconds, from the profiler's device-side events."""
+    out: Dict[str, float] = {}
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            out[evt.name] = out.get(evt.name, 0.0) + float(evt.device_time_total if hasattr(evt, "device_time_total")
+                                                         else evt.cuda_time_total)
+    return out
+
+
+def format_summary(label: str, summary: Dict[str, object]) -> str:
+    """One line: wall, kernel time, idle share and the three largest categories."""
+    cats = summary["kernel_ms_by_category"]
+    top = ", ".join(f"{k} {v:.1f}" for k, v in list(cats.items())[:6])  # type: ignore[union-attr]
+    idle = summary["idle_fraction"]
+    idle_s = "n/a" if idle is None else f"{100 * idle:.1f}%"
+    return (f"profile {label}: wall {summary['wall_ms']:.1f} ms, kernels {summary['kernel_ms']:.1f} ms, "
+            f"idle {idle_s}; by category (ms): {top}")
+
+
+@contextlib.contextmanager
+def profiled(out_dir: Optional[str], label: str, device: torch.device, write: bool = True) -> Iterator[dict]:
+    """Profile the body with ``torch.profiler`` (CPU and, on CUDA, device activity); on exit write
+    the trace, the operator table and the summary under ``out_dir`` (when ``write``) and fill the
+    yielded dict with the summary. The body is synchronized on both ends, so the wall time is the
+    body's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    result: dict = {}
+    with profile(activities=activities, record_shapes=False) as prof:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        yield result
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    result.update(summarize_kernels(_device_kernels(prof), wall))
+    result["label"] = label
+    if write and out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        with open(os.path.join(out_dir, "ops.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(result, f, indent=2)
