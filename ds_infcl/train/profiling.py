@@ -5,6 +5,9 @@ on every rank; rank 0 writes to ``<output_dir>/profile/``:
 
 - ``trace.json``: the Chrome/Perfetto trace (open it at https://ui.perfetto.dev);
 - ``ops.txt``: the operators sorted by their own device time;
+- ``idle.txt``: where the device waited on the host: each idle stretch of the device timeline is
+  charged to the innermost Python frame running on the host at that time (the profile records
+  Python stacks), summed by frame and by the innermost frame of ``ds_infcl``/``deepspeed`` code;
 - ``summary.json`` and one log line: the step's wall time, the time its device kernels ran, the
   idle share, and the kernel time split into categories (matrix multiplies, attention, the loss's
   Triton kernels and the compiler's fused kernels, collectives, the optimizer, copies, the rest).
@@ -28,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["profiled", "kernel_category", "KERNEL_CATEGORIES", "summarize_kernels", "format_summary"]
+__all__ = ["profiled", "kernel_category", "KERNEL_CATEGORIES", "summarize_kernels", "format_summary", "idle_report"]
 
 # First match wins: the pattern is searched in the lowercased kernel name.
 KERNEL_CATEGORIES: List[Tuple[str, str]] = [
@@ -98,7 +101,7 @@ def profiled(out_dir: Optional[str], label: str, device: torch.device, write: bo
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     result: dict = {}
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=device.type == "cuda") as prof:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -110,9 +113,73 @@ def profiled(out_dir: Optional[str], label: str, device: torch.device, write: bo
     result["label"] = label
     if write and out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+        trace = os.path.join(out_dir, "trace.json")
+        prof.export_chrome_trace(trace)
+        if device.type == "cuda":
+            with open(os.path.join(out_dir, "idle.txt"), "w") as f:
+                f.write(idle_report(trace))
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         with open(os.path.join(out_dir, "ops.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(result, f, indent=2)
+
+
+def _merged(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _innermost(frames: List[Tuple[float, float, str]], a: float, b: float) -> List[Tuple[float, str]]:
+    """Split ``[a, b)`` at the frames' edges; each piece charged to the shortest frame covering it."""
+    edges = sorted({a, b} | {t for s, e, _ in frames for t in (s, e) if a < t < b})
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        mid = (lo + hi) / 2
+        covering = [(e - s, name) for s, e, name in frames if s <= mid < e]
+        out.append((hi - lo, min(covering)[1] if covering else "(no Python frame)"))
+    return out
+
+
+def idle_report(trace_path: str, min_gap_us: float = 20.0, top: int = 30) -> str:
+    """Where the device waited, from a Chrome trace exported with Python stacks: the idle time
+    between device kernels (gaps over ``min_gap_us``) charged to the innermost Python frame on the
+    host, and to the innermost ``ds_infcl``/``deepspeed`` frame."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    device, frames = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            device.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+        elif cat == "python_function":
+            frames.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "?"))))
+    busy = _merged(device)
+    if not busy:
+        return "no device kernels in the trace\n"
+    gaps = [(b0[1], b1[0]) for b0, b1 in zip(busy, busy[1:]) if b1[0] - b0[1] >= min_gap_us]
+    frames.sort()
+    by_frame: Dict[str, float] = {}
+    by_owner: Dict[str, float] = {}
+    ours = [f for f in frames if "ds_infcl/" in f[2] or "deepspeed/" in f[2]]
+    for a, b in gaps:
+        near = [f for f in frames if f[0] < b and f[1] > a]
+        for us, name in _innermost(near, a, b):
+            by_frame[name] = by_frame.get(name, 0.0) + us
+        for us, name in _innermost([f for f in ours if f[0] < b and f[1] > a], a, b):
+            by_owner[name] = by_owner.get(name, 0.0) + us
+    span = busy[-1][1] - busy[0][0]
+    idle = sum(b - a for a, b in gaps)
+    lines = [f"device span {span / 1e3:.1f} ms, idle in {len(gaps)} gaps of >= {min_gap_us:.0f} us: {idle / 1e3:.1f} ms",
+             "", "idle ms  innermost Python frame"]
+    lines += [f"{us / 1e3:8.2f}  {name}" for name, us in sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]]
+    lines += ["", "idle ms  innermost ds_infcl / deepspeed frame"]
+    lines += [f"{us / 1e3:8.2f}  {name}" for name, us in sorted(by_owner.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines) + "\n"

@@ -66,3 +66,24 @@ def test_a_run_profiles_the_step_it_is_told(tmp_path, capsys):
     assert {"trace.json", "ops.txt", "summary.json"} <= files
     assert json.loads((tmp_path / "profile" / "summary.json").read_text())["label"] == "step 2"
     assert "profile step 2 (rank 0): wall" in capsys.readouterr().out
+
+
+def test_idle_report_charges_gaps_to_the_innermost_frame(tmp_path):
+    from ds_infcl.train.profiling import idle_report
+
+    ev = [  # kernels busy 0-100 and 300-400 and 405-500: one gap of 200 us (the 5 us one is below the floor)
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 100}, {"ph": "X", "cat": "kernel", "ts": 300, "dur": 100},
+        {"ph": "X", "cat": "kernel", "ts": 405, "dur": 95},
+        {"ph": "X", "cat": "python_function", "ts": 0, "dur": 500, "name": "ds_infcl/train/steps.py(1): step"},
+        {"ph": "X", "cat": "python_function", "ts": 120, "dur": 100, "name": "deepspeed/runtime/engine.py(2): hook"},
+        {"ph": "X", "cat": "python_function", "ts": 150, "dur": 20, "name": "torch/foo.py(3): inner"},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    text = idle_report(str(path))
+    assert "idle in 1 gaps of >= 20 us: 0.2 ms" in text
+    frames = dict((line[10:], float(line[:8])) for line in text.split("innermost Python frame\n")[1].split("\n\n")[0].splitlines())
+    assert frames == {"ds_infcl/train/steps.py(1): step": 0.1, "deepspeed/runtime/engine.py(2): hook": 0.08,
+                      "torch/foo.py(3): inner": 0.02}
+    owners = dict((line[10:], float(line[:8])) for line in text.split("deepspeed frame\n")[1].rstrip().splitlines())
+    assert owners == {"ds_infcl/train/steps.py(1): step": 0.1, "deepspeed/runtime/engine.py(2): hook": 0.1}
