@@ -258,7 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", action="store_true",
                     help="float32 features: ours against OpenCLIP's losses with TF32 off, TF32 on and under bf16 "
                          "autocast (ds_infcl.bench.loss_precision); under torchrun, one process per GPU")
-    ap.add_argument("--precision-reps", type=int, default=5, help="--precision: timed calls per point")
+    ap.add_argument("--precision-reps", type=int, default=3,
+                    help="--precision: timed calls per point (after 2 warm-up calls: Triton's compile, then a CUDA "
+                         "graph's capture for the small shapes)")
     ap.add_argument("--smoke", action="store_true", help="--precision: a tiny grid on CPU (tests)")
     args = ap.parse_args(argv)
     if args.precision:

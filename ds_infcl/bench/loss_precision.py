@@ -1,9 +1,10 @@
 """Our losses against OpenCLIP's on float32 features, under torch's three precision settings.
 
 OpenCLIP's and sentence-transformers' loops hand the loss float32 features (what ``F.normalize``
-returns, also under bf16 autocast). This benchmark times, forward + backward (the median of
-``--reps`` calls after ``--warmup`` calls, each preceded by a synchronize, and under torchrun the
-slowest rank's time), for each per-GPU batch ``b`` (``c`` = 512 by default):
+returns, also under bf16 autocast). This benchmark times forward + backward for each per-GPU
+batch ``b`` (8,192 to 65,536, ``c`` = 512 by default): the median of ``--precision-reps`` calls
+(3) after 2 warm-up calls (Triton's compile, then the capture of a CUDA graph for small shapes),
+each call synchronized; under torchrun, the slowest rank's time of each call. The grid:
 
 - settings: ``tf32_off`` (``torch.backends.cuda.matmul.allow_tf32 = False``), ``tf32_on`` (True,
   as OpenCLIP's trainer sets it), ``bf16_autocast`` (the forward inside
@@ -89,15 +90,19 @@ def providers(loss: str, world: int, rank: int) -> Dict[str, Callable]:
 
 
 @contextlib.contextmanager
-def precision(setting: str, device: torch.device):
-    """Torch's state for ``setting`` around the forward (TF32 flag; autocast for ``bf16_autocast``)."""
+def tf32(setting: str):
+    """The TF32 flag of ``setting`` for the whole step, forward and backward (on but in ``tf32_off``)."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = setting != "tf32_off"
     try:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=setting == "bf16_autocast"):
-            yield
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def autocast(setting: str, device: torch.device):
+    """bf16 autocast around the forward in ``bf16_autocast`` (the backward runs outside it)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=setting == "bf16_autocast")
 
 
 def _sync(device: torch.device) -> None:
@@ -116,18 +121,19 @@ def time_step(fn, b: int, c: int, setting: str, device: torch.device, reps: int,
     s = torch.tensor(14.3, device=device, requires_grad=True)
     t = torch.tensor(-10.0, device=device, requires_grad=True)
     times = []
-    for i in range(warmup + reps):
-        q.grad = k.grad = s.grad = t.grad = None
-        _sync(device)
-        if group is not None:
-            torch.distributed.barrier(group)
-        start = time.perf_counter()
-        with precision(setting, device):
-            loss = fn(q, k, s, t)
-        loss.backward()  # outside autocast, as OpenCLIP's loop
-        _sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+    with tf32(setting):
+        for i in range(warmup + reps):
+            q.grad = k.grad = s.grad = t.grad = None
+            _sync(device)
+            if group is not None:
+                torch.distributed.barrier(group)
+            start = time.perf_counter()
+            with autocast(setting, device):
+                loss = fn(q, k, s, t)
+            loss.backward()  # outside autocast, as OpenCLIP's loop
+            _sync(device)
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
     if group is not None:  # the slowest rank's time of each call
         tt = torch.tensor(times, device=device, dtype=torch.float64)
         torch.distributed.all_reduce(tt, op=torch.distributed.ReduceOp.MAX, group=group)

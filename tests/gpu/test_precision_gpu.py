@@ -123,7 +123,9 @@ def test_tf32_flag_is_honoured_and_both_are_close_to_float64(name, monkeypatch):
     ref = _reference(name, q, k)
     off = _fp32_run(name, q, k, tf32=False)
     on = _fp32_run(name, q, k, tf32=True)
-    assert not torch.equal(on[1], off[1]), "TF32 on gave the full-float32 gradients: the flag is ignored"
+    # The loss value comes from the Triton kernels alone (the backward's cuBLAS products follow the
+    # flag by themselves): it changes only if the kernels honour the flag.
+    assert not torch.equal(on[0], off[0]), "TF32 on gave the full-float32 loss: the kernels ignore the flag"
     for what, o, t, r in zip(("loss", "dq", "dk", "dscale", "dbias"), off, on, ref):
         if r is None:
             continue
