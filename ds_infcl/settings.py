@@ -190,8 +190,10 @@ SETTINGS: Tuple[Setting, ...] = (
        "Hopper GPU with a `FastPathWarning` that says why, once; also if this Triton cannot build them); `1` "
        "requires them (an error says what is missing); `0` never",
        choices=("auto", "0", "1")),
-    _S("DS_INFCL_ALLOW_TF32", "flag", False, CALL, MAY_DIFFER, _KERNELS,
-       "float32 inputs may use TF32 dot products"),
+    _S("DS_INFCL_ALLOW_TF32", "flag", None, CALL, MAY_DIFFER, _KERNELS,
+       "pins whether the Triton kernels use TF32 dot products for float32 features (`1`) or not (`0`); "
+       "unset, they follow torch's rule for a float32 matmul, `torch.backends.cuda.matmul.allow_tf32` "
+       "([loss.md](loss.md#precision))"),
     _S("DS_INFCL_TRITON_EXACT_MUL", "flag", True, IMPORT, MAY_DIFFER, _KERNELS,
        "rounds each logit with an explicit multiply, so that the forward and the backward agree bit for bit",
        home="ds_infcl.ops.triton_lse:EXACT_MUL"),

@@ -21,6 +21,11 @@ Differences a user should know (docs/siglip.md has the whole migration):
 - ``SigLipLoss``: every ``dist_impl`` computes the same loss; ours is one ring of key blocks whose
   memory per GPU does not grow with the number of GPUs.
 - ``logit_scale`` is the exponentiated scale, as OpenCLIP passes it (``model.logit_scale.exp()``).
+- Precision follows torch's rules as OpenCLIP's logits matmul does: inside
+  ``torch.autocast(dtype=torch.bfloat16)`` the float32 features that ``F.normalize`` returns are
+  computed in bf16 (gradients come back float32), and float32 outside autocast uses TF32 where
+  ``torch.backends.cuda.matmul.allow_tf32`` allows it (OpenCLIP's trainer sets it). The loss value
+  is float32 (docs/loss.md, "Precision").
 - The process group is ``group=`` (default: DeepSpeed's data-parallel group when set up, else the
   default group); ``rank`` / ``world_size`` are checked against it. Horovod is not supported.
 """
@@ -33,7 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_infcl.loss import clip_loss, group_rank, group_size, lse, positive_logits, resolve_group, siglip_loss
+from ds_infcl.loss import (
+    clip_loss, follows_autocast, group_rank, group_size, lse, positive_logits, resolve_group, siglip_loss,
+)
 
 __all__ = ["ClipLoss", "SigLipLoss"]
 
@@ -119,6 +126,7 @@ class ClipLoss(nn.Module):
         self.group = group
         self.backend = backend
 
+    @follows_autocast("image_features", "text_features")  # (once for the two lse and positive_logits)
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                 logit_bias: Optional[torch.Tensor] = None, output_dict: bool = False):
         if group_size(self.group) == 1:

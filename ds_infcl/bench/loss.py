@@ -24,6 +24,12 @@ one ``total`` step beyond the inputs and those gradients.
 
 Writes ``loss_<gpu>.csv`` (rows appended when the file exists) and ``loss_<gpu>.png`` (if
 matplotlib is installed) under ``--out``, and prints a table.
+
+``--precision``: ours against OpenCLIP's ``ClipLoss`` / ``SigLipLoss`` on float32 features with TF32
+off, TF32 on and under bf16 autocast, one GPU or under torchrun (``ds_infcl.bench.loss_precision``)::
+
+    python -m ds_infcl.bench.loss --precision --out docs/bench
+    torchrun --nproc_per_node 2 -m ds_infcl.bench.loss --precision --out docs/bench
 """
 
 from __future__ import annotations
@@ -233,8 +239,10 @@ def _dtype_name(dtype):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    ap.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072, 262144])
-    ap.add_argument("--dim", type=int, nargs="+", default=[256, 512, 768, 1024])
+    ap.add_argument("--batch", type=int, nargs="+", default=None,
+                    help="batch sizes (default 8192 .. 262144; with --precision 8192 .. 65536 per GPU)")
+    ap.add_argument("--dim", type=int, nargs="+", default=None,
+                    help="feature dims (default 256 512 768 1024; with --precision 512)")
     ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=list(DTYPES))
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--reps", type=int, default=20, help="most timed repetitions per point")
@@ -247,7 +255,20 @@ def main(argv=None) -> int:
                     help="divide every %% mm by this bf16 matmul rate (TFLOP/s) instead of the one measured at "
                          "the start, e.g. the highest rate read on this GPU: a GPU held below its clocks on "
                          "random-data GEMMs reads low and flatters every %% (both readings are still printed)")
+    ap.add_argument("--precision", action="store_true",
+                    help="float32 features: ours against OpenCLIP's losses with TF32 off, TF32 on and under bf16 "
+                         "autocast (ds_infcl.bench.loss_precision); under torchrun, one process per GPU")
+    ap.add_argument("--precision-reps", type=int, default=3,
+                    help="--precision: timed calls per point (after 2 warm-up calls: Triton's compile, then a CUDA "
+                         "graph's capture for the small shapes)")
+    ap.add_argument("--smoke", action="store_true", help="--precision: a tiny grid on CPU (tests)")
     args = ap.parse_args(argv)
+    if args.precision:
+        from ds_infcl.bench import loss_precision
+
+        return loss_precision.main(args)
+    args.batch = args.batch or [8192, 16384, 32768, 65536, 131072, 262144]
+    args.dim = args.dim or [256, 512, 768, 1024]
     if args.matmul_tflops is not None and not args.matmul_tflops > 0:
         ap.error(f"--matmul-tflops must be a positive rate in TFLOP/s, got {args.matmul_tflops}")
     if not torch.cuda.is_available():

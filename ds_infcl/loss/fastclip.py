@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.ops.lse import BACKENDS
+from ds_infcl.ops.precision import follows_autocast
 from ds_infcl.ops.validation import check_features
 from ds_infcl.loss.registry import LossSettings, register_loss_module
 from ds_infcl.loss.fastclip_estimators import _optimizer_step, inner_lr, log_eps_plus, log_inner, update_log_u
@@ -363,6 +364,7 @@ class FastCLIPLoss(_KeepFP32):
 
     # ---- forward ------------------------------------------------------------------------------
 
+    @follows_autocast("image_features", "text_features")
     def forward(
         self,
         image_features: torch.Tensor,

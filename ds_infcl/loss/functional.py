@@ -9,6 +9,12 @@ positive logits; other losses (FastCLIP's global losses, weighted or masked vari
 Shapes (per rank): ``query [b, c]``, ``key [m, c]``, ``labels [b]`` (index of each query's positive
 among the *local* keys; default ``arange(b)``), ``scale`` a float or a 0-dim tensor (it receives
 a gradient when it requires one).
+
+Precision (``ds_infcl.ops.precision``, docs/loss.md "Precision"): every entry point follows torch's
+rules for a matmul. Under autocast the features are cast once to autocast's dtype and the loss
+runs with autocast off (gradients come back in the caller's dtype); float32 features outside
+autocast use TF32 dot products where ``torch.backends.cuda.matmul.allow_tf32`` allows them. The
+LSE vectors and the loss are float32 in every case.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
 from ds_infcl.ops import LSEOptions, compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
+from ds_infcl.ops.precision import follows_autocast
 from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import agree_on_input_errors, group_size
 
@@ -36,6 +43,7 @@ def _as_scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
     return torch.full((), float(scale), device=device, dtype=torch.float32)
 
 
+@follows_autocast("query", "key")
 def lse(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -52,7 +60,8 @@ def lse(
     """Row and column LSE of ``scale * query @ key.T`` over the global batch, differentiable.
 
     Args:
-        query: ``[b, c]`` local queries (fp32, bf16 or fp16; accumulation is fp32).
+        query: ``[b, c]`` local queries (fp32, bf16 or fp16; accumulation is fp32). Under
+            autocast, computed in autocast's dtype (see the module doc).
         key: ``[m, c]`` local keys, same dim and dtype as ``query``.
         scale: multiplier of the logits (``1 / temperature``); a tensor receives a gradient.
         labels: ``[b]`` local index of each query's positive key (default the diagonal); only read
@@ -114,6 +123,7 @@ def _infcl_loss(query, key, scale, labels, *, symmetric, backend, group, tile_si
     return infonce_loss(query, key, scale, labels, symmetric=symmetric, backend=backend, tile_size=tile_size)
 
 
+@follows_autocast("query", "key")
 def contrastive_loss(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -134,7 +144,8 @@ def contrastive_loss(
     With hard negatives (``m > b`` keys per rank) the key-to-query term covers the positive keys.
 
     Args:
-        query: ``[b, c]`` local queries (images, or text queries).
+        query: ``[b, c]`` local queries (images, or text queries); fp32, bf16 or fp16, under
+            autocast computed in autocast's dtype, float32 with TF32 where torch allows it.
         key: ``[m, c]`` local keys (texts, or documents with hard negatives), ``m >= 1``.
         scale: ``1 / temperature`` as a float or a tensor that receives a gradient (pass
             ``logit_scale.exp()``).

@@ -44,6 +44,7 @@ from torch import nn
 from ds_infcl.loss.functional import contrastive_loss, lse
 from ds_infcl.loss.matryoshka import check_matryoshka, matryoshka_options, matryoshka_prefix  # noqa: F401 (re-exported)
 from ds_infcl.loss.registry import LossSettings, register_loss_module
+from ds_infcl.ops.precision import follows_autocast
 from ds_infcl.ring import (
     agree_on_input_errors,
     all_gather_blocks,
@@ -277,6 +278,7 @@ def _retrieval_loss_over_prefixes(query, key, scale, labels, key_ids, positive_i
     return global_sum_with_grad(total, world, group)
 
 
+@follows_autocast("query", "key")
 def retrieval_loss(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -293,7 +295,8 @@ def retrieval_loss(
     """Global-batch InfoNCE for retrieval, with false-negative masking when ids are given.
 
     Args:
-        query: ``[b, c]`` local query embeddings.
+        query: ``[b, c]`` local query embeddings (under autocast computed in autocast's dtype,
+            docs/loss.md "Precision").
         key: ``[m, c]`` local key embeddings (positives and hard negatives, any order).
         scale: ``1 / temperature`` (float or tensor).
         labels: ``[b]`` local index of each query's positive key (default ``arange(b)``).
@@ -315,6 +318,7 @@ def retrieval_loss(
     )
 
 
+@follows_autocast("query", "key")
 def matryoshka_retrieval_loss(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -36,6 +36,7 @@ from ds_infcl.loss.functional import _as_scale_tensor
 from ds_infcl.loss.module import ClampedScaleModule
 from ds_infcl.loss.registry import register_loss_module
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
+from ds_infcl.ops.precision import follows_autocast
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
 from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import (
@@ -179,6 +180,7 @@ def _check_ids(query_ids, key_ids, labels, b: int, m: int) -> None:
             raise ValueError(f"{name} must have shape [{n}] (one id per row), got {tuple(ids.shape)}")
 
 
+@follows_autocast("query", "key")
 def siglip_loss(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -199,7 +201,9 @@ def siglip_loss(
     all ranks and every key of every rank, ``z_ij = +1`` for a positive pair and ``-1`` otherwise.
 
     Args:
-        query: ``[b, c]`` local queries (images), fp32, bf16 or fp16 (accumulation is fp32).
+        query: ``[b, c]`` local queries (images), fp32, bf16 or fp16 (accumulation is fp32); under
+            autocast computed in autocast's dtype, float32 with TF32 where torch allows it
+            (docs/loss.md, "Precision").
         key: ``[m, c]`` local keys (texts), same dim and dtype.
         scale: the logit multiplier ``s`` (pass ``logit_scale.exp()``); a tensor gets a gradient.
         bias: the logit bias ``t`` (SigLIP's init -10); a tensor gets a gradient.

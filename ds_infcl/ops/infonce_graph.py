@@ -48,6 +48,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ds_infcl import settings
+from ds_infcl.ops.precision import precision_key
 
 __all__ = ["GraphedInfoNCE", "GraphedCall", "graph_eligible", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
@@ -92,8 +93,10 @@ def _warm_up(device: torch.device, run) -> None:
 
 
 def _graph_key(query, key, scale, labels, symmetric, tile_size):
-    return (tuple(query.shape), tuple(key.shape), query.dtype, key.dtype, query.device, tuple(scale.shape),
-            scale.dtype, None if labels is None else tuple(labels.shape), bool(symmetric), tile_size)
+    # (precision_key: a graph of TF32 kernels must not replay once TF32 is turned off, nor the reverse)
+    return (tuple(query.shape), tuple(key.shape), precision_key(query.dtype), key.dtype, query.device,
+            tuple(scale.shape), scale.dtype, None if labels is None else tuple(labels.shape), bool(symmetric),
+            tile_size)
 
 
 ForwardFn = Callable[..., Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
@@ -283,7 +286,8 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_l
     between its collectives."""
     graphed = None
     if _eligible(next(a for a in args if a is not None), backend, logits, max_logits):
-        k = (tag, options) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device) for a in args)
+        k = (tag, options) + tuple(None if a is None else (tuple(a.shape), precision_key(a.dtype), a.device)
+                                   for a in args)
         graphed = _lookup(k, lambda: GraphedCall(fn, args, static), lambda: f"{tag} {k[2:]}")
     out = fn(*args) if graphed is None else graphed(*args, borrow=borrow)
     if not token:

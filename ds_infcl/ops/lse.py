@@ -5,6 +5,8 @@
 ``ds_infcl::lse_forward`` / ``lse_backward`` (with fake implementations, so that ``torch.compile``
 traces a caller).
 Their settings travel in one ``LSEOptions`` (``ds_infcl.ops.options``); tensors are arguments.
+The block entry points run with autocast off (``ds_infcl.ops.precision``): their matmuls run in
+the dtype of the features they are given, which the loss entry points chose.
 
 Backends: ``"torch"`` (tiled PyTorch, any device), ``"triton"`` (fused kernels, CUDA, or the
 Triton interpreter when ``TRITON_INTERPRET=1``), ``"auto"`` (Triton on CUDA when available, else
@@ -19,6 +21,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ds_infcl.ops.options import BACKENDS, LSEOptions
+from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import lse_backward_torch, lse_forward_torch, positive_logits_torch
 from ds_infcl.ops.validation import check_values
 
@@ -68,6 +71,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@autocast_off
 def lse_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -92,6 +96,7 @@ def lse_forward(
                              compute_col=options.compute_col, tile_b=tile, tile_m=tile)
 
 
+@autocast_off
 def lse_backward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -122,6 +127,7 @@ def lse_backward(
                               exclude_positive=ep, grad_pos=grad_pos, out_dtype=out_dtype, tile_b=tile, tile_m=tile)
 
 
+@autocast_off
 def positive_logits_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -138,6 +144,7 @@ def positive_logits_forward(
     return positive_logits_torch(query, key, scale, labels, tile_b=options.tile(query.device))
 
 
+@autocast_off
 def infonce_forward(
     query: torch.Tensor,
     key: torch.Tensor,

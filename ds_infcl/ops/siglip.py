@@ -21,7 +21,8 @@ Positive pairs are given by ids: ``(i, j)`` is positive iff ``query_ids[i] == ke
 duplicated captions are not pushed apart.
 
 The block functions ``siglip_forward`` / ``siglip_backward`` are also the unit of work of the ring
-(``ds_infcl.loss.siglip``). Everything accumulates in float32; memory is ``O((b + m) c)`` plus one
+(``ds_infcl.loss.siglip``); they run with autocast off (``ds_infcl.ops.precision``: the loss entry
+point casts the features once). Everything accumulates in float32; memory is ``O((b + m) c)`` plus one
 tile (torch) or one bounded block of ``G`` (Triton).
 """
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_infcl.ops.lse import resolve_backend
+from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
 from ds_infcl.ops.validation import check_values
 
@@ -189,6 +191,7 @@ def _tiles(query: torch.Tensor, tile_size: Optional[int]) -> int:
     return tile_size or default_tile_size(query.device)
 
 
+@autocast_off
 def siglip_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -207,6 +210,7 @@ def siglip_forward(
     return siglip_forward_torch(query, key, scale, bias, query_ids, key_ids, tile_b=tile, tile_m=tile)
 
 
+@autocast_off
 def siglip_backward(
     query: torch.Tensor,
     key: torch.Tensor,

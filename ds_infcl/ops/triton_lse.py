@@ -58,9 +58,10 @@ Kernels (in ``ds_infcl.ops.triton_lse_kernels``) and launchers (here), in readin
 The scale is read by the kernels through a pointer (a learnable scale costs no host sync), and a
 loss step launches nothing that waits for the GPU: it can be captured in a CUDA graph.
 
-fp32 inputs use full-precision fp32 dot products unless ``DS_INFCL_ALLOW_TF32=1`` is set in the
-environment (then ``tl.dot`` uses TF32; the backward ``torch.mm`` products follow
-``torch.backends.cuda.matmul.allow_tf32`` as usual). Under ``TRITON_INTERPRET=1`` (CPU tests)
+fp32 inputs follow torch's rule for a float32 matmul (``ds_infcl.ops.precision.tf32_allowed``):
+``tl.dot`` uses TF32 where ``torch.backends.cuda.matmul.allow_tf32`` is true (or
+``DS_INFCL_ALLOW_TF32=1`` pins it), full-precision fp32 otherwise; the backward's ``torch.mm``
+products follow the torch flag by themselves. Under ``TRITON_INTERPRET=1`` (CPU tests)
 bf16 operands are upcast to fp32 before ``tl.dot``, which the interpreter gets wrong otherwise.
 """
 
@@ -77,6 +78,7 @@ import triton
 
 from ds_infcl.ops import gluon_lse_forward, gluon_lse_kernels
 from ds_infcl import settings
+from ds_infcl.ops.precision import autocast_off, tf32_allowed
 from ds_infcl.ops.triton_lse_kernels import (
     _bwd_prep_kernel,
     _lse_bwd_g_kernel,
@@ -115,8 +117,9 @@ MIN_CHUNK_COLS = 4096
 
 
 def allow_tf32() -> bool:
-    """True when fp32 inputs may use TF32 dot products (``DS_INFCL_ALLOW_TF32=1``)."""
-    return settings.get("DS_INFCL_ALLOW_TF32")
+    """True when fp32 inputs use TF32 dot products (``ds_infcl.ops.precision.tf32_allowed``: torch's
+    ``torch.backends.cuda.matmul.allow_tf32``, or ``DS_INFCL_ALLOW_TF32`` when set)."""
+    return tf32_allowed()
 
 
 def _interpreting() -> bool:
@@ -227,9 +230,9 @@ def _kernel_flags(query: torch.Tensor, c: int, block_k: int) -> dict:
     upcast = query.dtype == torch.bfloat16 and _interpreting()
     return dict(
         EVEN_K=(c % block_k == 0),
-        # 0: 16-bit operands (tensor cores); 1: full fp32; 2: TF32 (opt-in). The interpreter's
-        # bf16 operands are upcast, hence full fp32 there.
-        PRECISION=(2 if allow_tf32() else 1) if (query.dtype == torch.float32 or upcast) else 0,
+        # 0: 16-bit operands (tensor cores); 1: full fp32; 2: TF32 (torch's float32 matmul rule,
+        # ds_infcl.ops.precision). The interpreter's bf16 operands are upcast, hence fp32 there.
+        PRECISION=(2 if allow_tf32() else 1) if query.dtype == torch.float32 else (1 if upcast else 0),
         UPCAST=upcast,
         EXACT_MUL=(query.device.type == "cuda" and EXACT_MUL),
     )
@@ -653,6 +656,7 @@ def _weight_arg(w: torch.Tensor, gs: Optional[torch.Tensor]) -> Tuple[torch.Tens
     return w, w.stride(0)
 
 
+@autocast_off  # (its products are torch.addmm; the gather path calls it directly)
 def lse_backward_triton(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -220,8 +220,11 @@ def test_autograd_function_with_triton_backend():
         assert rel_err(got, want) <= FP32_RTOL
 
 
-def test_tf32_flag_is_off_by_default(monkeypatch):
+def test_tf32_follows_torch_unless_pinned(monkeypatch):
+    """Unset, the kernels take torch's float32 matmul rule (off by default); the setting pins it
+    (tests/ops/test_precision.py checks both ways)."""
     monkeypatch.delenv("DS_INFCL_ALLOW_TF32", raising=False)
+    assert not torch.backends.cuda.matmul.allow_tf32  # torch's default
     assert not triton_lse.allow_tf32()
     monkeypatch.setenv("DS_INFCL_ALLOW_TF32", "1")
     assert triton_lse.allow_tf32()
