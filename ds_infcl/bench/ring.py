@@ -334,6 +334,10 @@ def run_paired(b, impls, c, dtype, solo, args):
                         from ds_infcl.loss.ring import last_algorithm
 
                         out["algorithm"] = last_algorithm()
+                    elif name == "siglip":
+                        from ds_infcl.loss.siglip import last_siglip_algorithm
+
+                        out["algorithm_siglip"] = last_siglip_algorithm()
             except oom:
                 step, status = None, "oom"
             # Every rank must agree before the rounds: a variant one rank dropped is dropped by all.
@@ -434,6 +438,7 @@ def main(argv=None) -> int:
         paired = run_paired(b, impls, args.dim, dtype, solo, args) if args.paired else None
         if paired is not None:
             paired_algorithm = paired.pop("algorithm", None)
+            paired_siglip_algorithm = paired.pop("algorithm_siglip", None)
             if "single" in paired:
                 single_ms[b] = paired["single"][0]
         for impl in impls:
@@ -464,10 +469,11 @@ def main(argv=None) -> int:
                 # the algorithm auto chose (paired: recorded after infcl's own warm-up)
                 chosen = paired_algorithm if paired is not None else last_algorithm()
                 row["status"] = f"{status} ({chosen})"
-            elif impl == "siglip" and world > 1 and paired is None:
+            elif impl == "siglip" and world > 1:
                 from ds_infcl.loss.siglip import last_siglip_algorithm
 
-                row["status"] = f"{status} ({last_siglip_algorithm()})"
+                chosen = paired_siglip_algorithm if paired is not None else last_siglip_algorithm()
+                row["status"] = f"{status} ({chosen})"
             if paired is not None:
                 row["status"] += f" (paired, {args.paired} x {args.paired_calls} calls)"
             rows.append(row)
