@@ -129,7 +129,7 @@ _S = Setting
 SETTINGS: Tuple[Setting, ...] = (
     # -- the algorithm across GPUs -------------------------------------------------------------------
     _S("DS_INFCL_ALGORITHM", "choice", "auto", CALL, MUST_MATCH, _ALGO,
-       "pins the all-gather path or the ring; `auto` chooses by size (`choose_algorithm`)",
+       "pins the all-gather path or the ring (InfoNCE and SigLIP); `auto` chooses by size (`choose_algorithm`)",
        choices=("auto", "ring", "gather")),
     _S("DS_INFCL_GATHER_MAX_LOCAL", "int", 65536, IMPORT, MUST_MATCH, _ALGO,
        "on 2 ranks, the largest per-rank batch the gather path takes",
@@ -179,7 +179,7 @@ SETTINGS: Tuple[Setting, ...] = (
        "`FastPathWarning` says so once",
        choices=("auto", "1", "0"), home="ds_infcl.ops.infonce_graph:CUDA_GRAPH"),
     _S("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", "int", 1 << 28, IMPORT, MAY_DIFFER, _GRAPHS,
-       "under `auto`, the largest single-device call (`b m`) that is graphed",
+       "under `auto`, the largest single-device call (`b m`) that is graphed (InfoNCE and SigLIP)",
        home="ds_infcl.ops.infonce_graph:MAX_LOGITS"),
     _S("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS", "int", 1 << 29, IMPORT, MAY_DIFFER, _GRAPHS,
        "the same for the gather path's local kernels",

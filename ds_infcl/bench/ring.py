@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import importlib
 import os
 import re
@@ -47,20 +46,22 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
+from ds_infcl.bench.ring_table import _backend_label, _fmt, format_table, write_outputs
+
 IMPLS = ("infcl", "infcl_ring", "infcl_gather", "local", "disco", "vanilla", "openclip")
 # infcl picks its algorithm by size (ds_infcl.loss.algorithm.choose_algorithm); infcl_ring and
-# infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size.
-_PINNED = {"infcl_ring": "ring", "infcl_gather": "gather"}
+# infcl_gather pin one (DS_INFCL_ALGORITHM) to compare them at every size. The same for SigLIP
+# (siglip_loss with a scale and a bias: siglip, siglip_ring, siglip_gather) against OpenCLIP's
+# SigLipLoss with its default arguments (siglip_openclip); not run by default.
+_PINNED = {"infcl_ring": "ring", "infcl_gather": "gather", "siglip_ring": "ring", "siglip_gather": "gather"}
+SIGLIP_IMPLS = ("siglip", "siglip_ring", "siglip_gather", "siglip_openclip")
 # infcl with the gather path's own block backward pinned in the forward or in the backward
 # (DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS, set on every rank around each call); not run by
 # default: the paired comparison of docs/distributed.md, "The own block's backward in the forward".
 _OWN_BACKWARD = {"infcl_own_early": 0, "infcl_own_late": 1 << 62}
-CHOICES = IMPLS + tuple(_OWN_BACKWARD)
+CHOICES = IMPLS + tuple(_OWN_BACKWARD) + SIGLIP_IMPLS
 # The other version's infcl under --base (ds_infcl.bench.base_tree); its table row is infcl@REV.
 BASE_IMPL = "infcl_base"
-FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "backend", "ms",
-          "extra_gib", "tflops", "single_gpu_ms", "weak_eff", "status"]
-
 
 def _logit_bytes(impl: str, b: int, world: int) -> float:
     """Rough peak of the materialized float32 logits and their temporaries (5 matrices)."""
@@ -70,6 +71,8 @@ def _logit_bytes(impl: str, b: int, world: int) -> float:
         return 5 * 4 * 2 * b * (world * b)
     if impl == "openclip":  # its logits stay in the features' dtype (bf16: 2 bytes)
         return 5 * 2 * 2 * b * (world * b)
+    if impl == "siglip_openclip":  # b x b logits per neighbour block (and its backward's), bf16
+        return 5 * 2 * b * b * min(world, 2)
     return 0.0
 
 
@@ -100,19 +103,30 @@ def _now_ms() -> float:
     return time.perf_counter() * 1e3
 
 
+def _openclip_loss(impl, group):
+    """``(module, status)``: OpenCLIP's ``ClipLoss`` as its users run it across GPUs
+    (``local_loss``, ``gather_with_grad``) or its ``SigLipLoss`` with default arguments; ``None``
+    for our impls, or with a status when open_clip is not importable."""
+    if impl not in ("openclip", "siglip_openclip"):
+        return None, "ok"
+    try:
+        from open_clip.loss import ClipLoss, SigLipLoss
+    except Exception as err:  # noqa: BLE001 - any import failure means the provider is unavailable
+        return None, f"skipped (open_clip unavailable: {type(err).__name__})"
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if impl == "siglip_openclip":
+        return SigLipLoss(rank=rank, world_size=world), "ok"
+    return ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world), "ok"
+
+
 def _make_step(impl, b, c, dtype, group, args):
     """``(step, status)`` for one (impl, b) point on ``group``: ``step()`` runs one forward and
     backward on fixed inputs (made here), ``None`` with a status when the point is skipped."""
-    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.loss import contrastive_loss, siglip_loss
 
-    openclip = None
-    if impl == "openclip":  # OpenCLIP's ClipLoss as its users run it across GPUs
-        try:
-            from open_clip.loss import ClipLoss
-        except Exception as err:  # noqa: BLE001 - any import failure means the provider is unavailable
-            return None, f"skipped (open_clip unavailable: {type(err).__name__})"
-        openclip = ClipLoss(local_loss=True, gather_with_grad=True, rank=dist.get_rank(group),
-                            world_size=dist.get_world_size(group))
+    openclip, status = _openclip_loss(impl, group)
+    if status != "ok":
+        return None, status
     world = dist.get_world_size(group)
     free = torch.cuda.mem_get_info()[0] if _DEVICE == "cuda" else float("inf")
     need = _logit_bytes(impl, b, world)
@@ -123,21 +137,28 @@ def _make_step(impl, b, c, dtype, group, args):
     q = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
     k = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
     q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
-    scale = torch.tensor(14.3, device=_DEVICE, requires_grad=True)
-    q.grad, k.grad, scale.grad = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(scale)
+    siglip = impl.startswith("siglip")
+    scale = torch.tensor(10.0 if siglip else 14.3, device=_DEVICE, requires_grad=True)
+    bias = torch.tensor(-10.0, device=_DEVICE, requires_grad=True)  # (SigLIP's)
+    q.grad, k.grad, scale.grad, bias.grad = (torch.zeros_like(x) for x in (q, k, scale, bias))
+    # check_finite=False unless --check-finite (the default call: one readback per call)
+    checks = {} if getattr(args, "check_finite", False) else {"check_finite": False}
     pinned, own_min = _PINNED.get(impl), _OWN_BACKWARD.get(impl)
     if impl == BASE_IMPL:  # the other version's loss (--base), as its users call it
         loss_fn, impl = importlib.import_module(f"{args.base_module.__name__}.loss").contrastive_loss, "infcl"
     else:
         loss_fn = contrastive_loss
-    if pinned is not None or own_min is not None:
+    if (pinned is not None or own_min is not None) and not siglip:
         impl = "infcl"
     from ds_infcl import settings
     from ds_infcl.loss import algorithm
 
     def step():
         if openclip is not None:
-            loss = openclip(q, k, scale)
+            loss = openclip(q, k, scale, bias) if siglip else openclip(q, k, scale)
+        elif siglip:
+            with settings.override("DS_INFCL_ALGORITHM", pinned) if pinned is not None else contextlib.nullcontext():
+                loss = siglip_loss(q, k, scale, bias, backend=args.backend, group=group, **checks)
         else:
             pin = settings.override("DS_INFCL_ALGORITHM", pinned) if pinned is not None else contextlib.nullcontext()
             saved_min = algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS
@@ -146,7 +167,7 @@ def _make_step(impl, b, c, dtype, group, args):
             try:
                 with pin:
                     loss = loss_fn(q, k, scale, symmetric=True, impl=impl, backend=args.backend, group=group,
-                                   check_finite=False)
+                                   **checks)
             finally:
                 algorithm.GATHER_OWN_BACKWARD_MIN_LOGITS = saved_min
         loss.backward()
@@ -167,6 +188,9 @@ def _timed(step) -> float:
     torch.cuda.synchronize()
     return start.elapsed_time(end)
 
+
+# --quick: the isolated steps timed after one warm-up step (issue 37's measurement).
+QUICK_CALLS = 3
 
 # Warm-up steps every point takes at least: the first compiles the kernels, the second captures
 # the CUDA graphs of the gather path (ds_infcl.ops.infonce_graph), the third replays them.
@@ -240,13 +264,20 @@ def run_point(impl, b, c, dtype, group, args):
         step, status = _make_step(impl, b, c, dtype, group, args)
         if step is None:
             return float("nan"), float("nan"), status
-        _warm_up(step, group, args, after_first=start_memory)
-        first = _timed(step)  # (its memory counts too)
-        extra = extra_gib()
-        # The same count on every rank (each step is collective): from the slowest rank's first.
-        first = _all_reduce(first, dist.ReduceOp.MAX, group)
-        reps = int(max(args.min_reps, min(args.reps, args.seconds_per_point * 1e3 / max(first, 1e-3))))
-        ms = _quantile([_timed(step) for _ in range(reps)], 0.5)
+        if args.quick:  # issue 37's method: one warm-up step, the median of three (graphs captured in them)
+            step()
+            _sync()
+            start_memory()
+            times = [_timed(step) for _ in range(QUICK_CALLS)]
+            extra, ms = extra_gib(), _quantile(times, 0.5)
+        else:
+            _warm_up(step, group, args, after_first=start_memory)
+            first = _timed(step)  # (its memory counts too)
+            extra = extra_gib()
+            # The same count on every rank (each step is collective): from the slowest rank's first.
+            first = _all_reduce(first, dist.ReduceOp.MAX, group)
+            reps = int(max(args.min_reps, min(args.reps, args.seconds_per_point * 1e3 / max(first, 1e-3))))
+            ms = _quantile([_timed(step) for _ in range(reps)], 0.5)
     except oom:
         status = "oom"
     step = None
@@ -303,6 +334,10 @@ def run_paired(b, impls, c, dtype, solo, args):
                         from ds_infcl.loss.ring import last_algorithm
 
                         out["algorithm"] = last_algorithm()
+                    elif name == "siglip":
+                        from ds_infcl.loss.siglip import last_siglip_algorithm
+
+                        out["algorithm_siglip"] = last_siglip_algorithm()
             except oom:
                 step, status = None, "oom"
             # Every rank must agree before the rounds: a variant one rank dropped is dropped by all.
@@ -330,32 +365,6 @@ def run_paired(b, impls, c, dtype, solo, args):
     return out
 
 
-def _fmt(x, spec):
-    return "-" if x != x else format(x, spec)
-
-
-def format_table(rows) -> str:
-    lines = ["| impl | b per GPU | global B | ms/step | extra GiB/GPU | TFLOP/s/GPU | 1-GPU ms (B) | "
-             "weak-scaling eff | status |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(
-            f"| {r['impl']} | {r['b']:,} | {r['global_batch']:,} | {_fmt(r['ms'], '.1f')} | "
-            f"{_fmt(r['extra_gib'], '.2f')} | {_fmt(r['tflops'], '.1f')} | "
-            f"{_fmt(r['single_gpu_ms'], '.1f')} | {_fmt(r['weak_eff'] * 100, '.0f')}"
-            f"{'%' if r['weak_eff'] == r['weak_eff'] else ''} | {r['status']} |"
-        )
-    largest = {}
-    for r in rows:
-        largest.setdefault(r["impl"], 0)
-        if r["status"] == "ok" or r["status"].startswith("ok ("):  # "ok (ring)": the algorithm infcl chose
-            largest[r["impl"]] = max(largest[r["impl"]], r["global_batch"])
-    lines.append("")
-    lines.append("largest global batch that ran: " + ", ".join(
-        f"{impl} {largest.get(impl, 0):,}" for impl in dict.fromkeys(r["impl"] for r in rows)))
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=CHOICES)
@@ -379,6 +388,12 @@ def main(argv=None) -> int:
                     help="with --paired: also time infcl of another version of this package (a git revision "
                          "of this checkout, or a folder holding its ds_infcl/) in the same rounds, as infcl@REV")
     ap.add_argument("--no-weak-scaling", action="store_true", help="skip the single-GPU runs")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"one warm-up step, then the median of {QUICK_CALLS} isolated steps per point (issue 37's "
+                         "method: CUDA graphs are captured in the first timed step)")
+    ap.add_argument("--check-finite", action="store_true",
+                    help="call our losses with check_finite=True (their default: one readback per call); "
+                         "without it, check_finite=False")
     ap.add_argument("--no-tf32", action="store_true")
     ap.add_argument("--out", default=None, help="folder for the CSV (rank 0)")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -386,6 +401,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.base is not None and not args.paired:
         ap.error("--base compares the two versions in the same rounds: add --paired ROUNDS")
+    if args.quick and args.paired:
+        ap.error("--quick times each point alone; leave out --paired")
     impls = list(args.impls)
     args.base_module = None
     if args.base is not None:
@@ -421,6 +438,7 @@ def main(argv=None) -> int:
         paired = run_paired(b, impls, args.dim, dtype, solo, args) if args.paired else None
         if paired is not None:
             paired_algorithm = paired.pop("algorithm", None)
+            paired_siglip_algorithm = paired.pop("algorithm_siglip", None)
             if "single" in paired:
                 single_ms[b] = paired["single"][0]
         for impl in impls:
@@ -441,8 +459,7 @@ def main(argv=None) -> int:
             name = impl if impl != BASE_IMPL else f"infcl@{args.base_module._base_label}"
             row = dict(gpu=gpu, date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), world=world,
                        impl=name, b=b, global_batch=world * b, c=args.dim, dtype=args.dtype,
-                       backend=backend if impl.startswith("infcl") else
-                       ("open_clip ClipLoss (local, gather_with_grad)" if impl == "openclip" else "torch (fp32 logits)"),
+                       backend=_backend_label(impl, backend),
                        ms=ms,
                        extra_gib=extra, tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan"),
                        single_gpu_ms=single, weak_eff=eff, status=status)
@@ -452,6 +469,11 @@ def main(argv=None) -> int:
                 # the algorithm auto chose (paired: recorded after infcl's own warm-up)
                 chosen = paired_algorithm if paired is not None else last_algorithm()
                 row["status"] = f"{status} ({chosen})"
+            elif impl == "siglip" and world > 1:
+                from ds_infcl.loss.siglip import last_siglip_algorithm
+
+                chosen = paired_siglip_algorithm if paired is not None else last_siglip_algorithm()
+                row["status"] = f"{status} ({chosen})"
             if paired is not None:
                 row["status"] += f" (paired, {args.paired} x {args.paired_calls} calls)"
             rows.append(row)
@@ -460,16 +482,7 @@ def main(argv=None) -> int:
                       f"eff={_fmt(eff, '.2f')}", flush=True)
     if rank == 0:
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, f"ring_{gpu}_w{world}.csv")
-            with open(path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=FIELDS)
-                w.writeheader()
-                w.writerows(rows)
-            print(f"csv written: {path}")
-            from ds_infcl.bench.plots import ring_plot
-
-            ring_plot(path, os.path.join(args.out, f"ring_{gpu}_w{world}.png"))
+            write_outputs(rows, args.out, f"ring_{gpu}_w{world}")
         print(f"\n{world} x {device_name}, c = {args.dim}, {args.dtype}, symmetric, "
               f"ring backend {backend}, torch {torch.__version__}")
         print(format_table(rows))

@@ -18,9 +18,20 @@ into it, and the complete ``dk`` goes home (cast to the keys' dtype) after the l
 so a rank holds ``O((b + m) c)`` whatever the world size (two float32 accumulators, two key blocks
 and one bounded block of ``G`` in the backward).
 
-Gradient semantics: the shares are summed by ``global_sum_with_grad``, whose backward multiplies
-by ``W``; after the data-parallel mean every gradient (features, scale and bias) equals the
-single-device gradient of the global loss.
+The gather path (``SigLIPGatherFunction``), taken at small per-GPU batches where the ring's ``W``
+sequential hops (each a launch, a wait and a P2P exchange per pass) cost more than its work: one
+all-gather of the keys ``K_all [M, c]`` (and, with user ids, of the key ids), rank ``r``'s share
+``(1 / B) sum_{i on r, all j}`` as one fused call over ``(Q_r, K_all)``, one all-reduce of the
+shares; backward: one fused backward over ``(Q_r, K_all)`` giving ``dq`` and the float32 gradient
+of ``K_all``, one reduce-scatter of it back to the keys' owners. ``M c (e + 4)`` bytes per rank for
+``e``-byte features (linear in the global batch, no ``b x M`` logits). The choice between the two
+is ``ds_infcl.loss.algorithm.choose_algorithm``, the InfoNCE's rule and settings
+(``DS_INFCL_ALGORITHM`` pins it); the local passes replay from CUDA graphs where the shapes repeat
+(``ds_infcl.ops.siglip.siglip_passes``), between the collectives.
+
+Gradient semantics: the shares are summed by ``global_sum_with_grad`` (the gather path does the
+same in its own Function), whose backward multiplies by ``W``; after the data-parallel mean every
+gradient (features, scale and bias) equals the single-device gradient of the global loss.
 """
 
 from __future__ import annotations
@@ -32,25 +43,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
 from ds_infcl.loss.functional import _as_scale_tensor
 from ds_infcl.loss.module import ClampedScaleModule
 from ds_infcl.loss.registry import register_loss_module
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
+from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, run_graphed
+from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ops.precision import follows_autocast
-from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local
+from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local, siglip_passes
 from ds_infcl.ops.validation import check_inputs, check_tile_size
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
+    all_gather_rows,
     exchange_layout,
     global_sum_with_grad,
     group_size,
     post_ring_shift,
+    reduce_scatter_rows,
     resolve_group,
     wait_all,
 )
 
-__all__ = ["siglip_loss", "SigLIPLoss", "SigLIPRingFunction"]
+__all__ = ["siglip_loss", "SigLIPLoss", "SigLIPRingFunction", "SigLIPGatherFunction", "last_siglip_algorithm"]
 
 Scalar = Union[float, torch.Tensor]
 _F32 = torch.float32
@@ -166,6 +182,76 @@ class SigLIPRingFunction(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+class SigLIPGatherFunction(torch.autograd.Function):
+    """The global SigLIP loss from gathered keys (see the module doc): every rank returns the
+    global value, and its backward carries the ``W`` of the data-parallel contract (as
+    ``global_sum_with_grad``). Owns its collectives, on every rank in the same order (a rank
+    without queries takes part with a zero share and a zero gradient): forward, the all-gather of
+    the keys (and of the key ids when ``gather_ids``; otherwise the ids are the keys' global
+    positions) and the all-reduce of the shares; backward, the reduce-scatter of the float32
+    gradient of the gathered keys. Saves the inputs, the gathered keys and their ids."""
+
+    @staticmethod
+    def forward(ctx, query, key, scale, bias, query_ids, key_ids, gather_ids, backend, tile_size, layout, group):
+        s, t = scale.detach(), bias.detach()
+        query, key = query.contiguous(), key.contiguous()
+        key_all = all_gather_rows(key, layout.key_sizes, group)
+        if gather_ids:
+            kid_all = all_gather_rows(key_ids, layout.key_sizes, group)
+        else:  # positions: rank r's keys are rows [key_offset(r), key_offset(r) + m_r) of key_all
+            kid_all = torch.arange(layout.num_keys, device=key.device)
+        b = query.shape[0]
+        forward_fn, _ = siglip_passes(backend, tile_size, None, layout.num_queries, layout.world)
+        args = (query, key_all, s, t, query_ids, kid_all)
+        ctx.token = None
+        if b:
+            (share,), ctx.token = run_graphed(
+                "siglip_gather_forward", forward_fn, args, options=(tile_size, layout.num_queries, layout.world),
+                logits=b * layout.num_keys, backend=backend, max_logits=GATHER_MAX_LOGITS, token=True)
+        else:
+            share = torch.zeros((), device=query.device, dtype=torch.float32)
+        share = share.reshape(1)
+        dist.all_reduce(share, group=group)
+        ctx.save_for_backward(*args)
+        ctx.options = (backend, tile_size, layout, group, scale.shape, bias.shape, key.dtype)
+        return share.reshape(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward("the distributed SigLIP")
+        saved = ctx.saved_tensors
+        backend, tile_size, layout, group, s_shape, t_shape, key_dtype = ctx.options
+        query, key_all, s = saved[0], saved[1], saved[2]
+        b = query.shape[0]
+        if b:
+            _, backward_fn = siglip_passes(backend, tile_size, None, layout.num_queries, layout.world)
+            inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
+            # d(key_all) is only read by the reduce-scatter below: a replay may hand over its buffer.
+            dq, dk_all, ds, dt = run_graphed(
+                "siglip_gather_backward", backward_fn, tuple(saved if inputs is None else inputs) + (grad,),
+                options=(tile_size, layout.num_queries, layout.world), logits=b * layout.num_keys,
+                backend=backend, max_logits=GATHER_MAX_LOGITS, borrow=(1,), static=(0, 1, 2, 3, 4, 5))
+        else:  # zeros keep this rank in the reduce-scatter
+            dq = torch.zeros(query.shape, device=query.device, dtype=torch.float32)
+            dk_all = torch.zeros(key_all.shape, device=key_all.device, dtype=torch.float32)
+            ds = dt = torch.zeros((), device=s.device, dtype=torch.float32)
+        dk = reduce_scatter_rows(dk_all, layout.key_sizes, layout.rank, group)
+        del dk_all
+        return (dq.to(query.dtype), dk.to(key_dtype),
+                ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
+                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None,
+                None, None, None, None, None, None, None)
+
+
+_LAST = {"algorithm": None}
+
+
+def last_siglip_algorithm() -> Optional[str]:
+    """The algorithm the last distributed ``siglip_loss`` call on this process used (``"ring"`` or
+    ``"gather"``; ``None`` before any)."""
+    return _LAST["algorithm"]
+
+
 def _check_ids(query_ids, key_ids, labels, b: int, m: int) -> None:
     if (query_ids is None) != (key_ids is None):
         raise ValueError("pass both query_ids and key_ids (positives are the pairs with equal ids), or neither")
@@ -215,7 +301,8 @@ def siglip_loss(
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
         group: data-parallel process group (``None``: DeepSpeed's data-parallel group when set up,
             else the default group when distributed, else one process). With more than one rank
-            the key blocks travel around a ring.
+            the keys are all-gathered (small per-GPU batches) or travel around a ring, as
+            ``ds_infcl.loss.algorithm.choose_algorithm`` decides (``DS_INFCL_ALGORITHM`` pins it).
         tile_size: tile edge of the torch backend.
         check_finite: raise on NaN/Inf features (one pass over the inputs).
 
@@ -249,9 +336,13 @@ def siglip_loss(
                                  validate=in_op, check_finite=check_finite,
                                  check_labels=labels is not None and query_ids is None)
     group = resolve_group(group)
-    layout = exchange_layout(query, key, group, protocol="siglip", flags=int(query_ids is not None))
+    with_ids = query_ids is not None
+    layout = exchange_layout(query, key, group, protocol="siglip", flags=int(with_ids), settings=algorithm_settings())
     qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
                           key_ids=key_ids, key_offset=layout.key_offset())
+    algorithm = _LAST["algorithm"] = choose_algorithm(layout, query.shape[1], query.element_size())
+    if algorithm == "gather":
+        return SigLIPGatherFunction.apply(query, key, s, t, qid, kid, with_ids, backend, tile_size, layout, group)
     share = SigLIPRingFunction.apply(query, key, s, t, qid, kid, backend, tile_size, layout, group)
     return global_sum_with_grad(share, layout, group)
 

@@ -6,7 +6,9 @@ Python, autograd and ~10 Triton launches take the host 1.2-1.4 ms. Where a shape
 forward and the backward of ``ds_infcl.ops.infonce.InfoNCEFunction`` are each replayed from one CUDA
 graph instead: the host then issues a few copies and one replay per pass. The distributed gather
 path (``ds_infcl.loss.ring_fused``) replays its local kernels the same way, between its
-collectives (``run_graphed``), which stay outside the graphs.
+collectives (``run_graphed``), which stay outside the graphs. So do SigLIP's single-device call
+(``ds_infcl.ops.siglip.SigLIPFunction``: its forward and its backward, two graphs per shape) and
+its gather path (``ds_infcl.loss.siglip``): the rules, settings and cache below are theirs too.
 
 How:
 

@@ -15,6 +15,11 @@ where ``B`` is the number of queries of the global batch. Per pair the gradient 
 (``8 b m c`` FLOPs for forward and backward, as for InfoNCE). No running maximum is needed: each
 pair's term is independent, so blocks (tiles, or ring blocks of other ranks) simply add.
 
+Small repeated shapes replay from CUDA graphs (``SigLIPFunction``): the forward and the backward are
+each one ``ds_infcl.ops.infonce_graph.run_graphed`` computation (``siglip_passes``), under the same
+rules, settings and cache as the InfoNCE's graphs. The distributed gather path
+(``ds_infcl.loss.siglip``) replays the same passes between its collectives.
+
 Positive pairs are given by ids: ``(i, j)`` is positive iff ``query_ids[i] == key_ids[j]``. Labels
 (query ``i``'s positive is key ``labels[i]``, default the diagonal) become ids through
 :func:`siglip_ids`; user ids (for example a caption id) allow several positives per query, so that
@@ -33,7 +38,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ds_infcl.ops.lse import resolve_backend
+from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, run_graphed
+from ds_infcl.ops.lse import refuse_double_backward, resolve_backend
 from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
 from ds_infcl.ops.validation import check_values
@@ -46,6 +52,8 @@ __all__ = [
     "siglip_forward",
     "siglip_backward",
     "siglip_loss_local",
+    "siglip_passes",
+    "SigLIPFunction",
 ]
 
 Scalar = Union[float, torch.Tensor]
@@ -325,6 +333,70 @@ def _siglip_op_backward(ctx, grad):
 _siglip_forward_op.register_autograd(_siglip_op_backward, setup_context=_siglip_setup_context)
 
 
+def siglip_passes(backend: str, tile_size: Optional[int], out_dtype: Optional[torch.dtype], count: int,
+                  world: int = 1):
+    """The block's forward and backward as functions of tensors only (what a CUDA graph captures,
+    ``run_graphed``):
+
+    - ``forward(q, k, s, t, qid, kid) -> (siglip_forward(...) / count,)``;
+    - ``backward(q, k, s, t, qid, kid, grad) -> (dq, dk, dscale, dbias)`` of ``world`` times that,
+      for the upstream gradient ``grad`` (0-dim), ``dq`` / ``dk`` in ``out_dtype`` (``None``:
+      float32).
+
+    ``count`` is ``b`` on one device, the global number of queries ``B`` for a rank's share in the
+    gather path, whose backward carries the ``W`` of the data-parallel contract (``world``, as
+    ``ds_infcl.ring.global_sum_with_grad``). Both are constants of the graph."""
+
+    def forward(q, k, s, t, qid, kid):
+        return (siglip_forward(q, k, s, t, qid, kid, backend=backend, tile_size=tile_size) / count,)
+
+    def backward(q, k, s, t, qid, kid, grad):
+        g = grad.detach().float()
+        weight = (g if world == 1 else g * world) / count
+        dq, dk, ds, dt = siglip_backward(q, k, s, t, qid, kid, weight, backend=backend, tile_size=tile_size,
+                                         out_dtype=out_dtype)
+        # ds and dt may be views of one sum (the Triton backward's): each its own tensor.
+        return dq, dk, ds.reshape(()).clone(), dt.reshape(()).clone()
+
+    return forward, backward
+
+
+class SigLIPFunction(torch.autograd.Function):
+    """The single-device SigLIP loss (``siglip_forward / b``) as one autograd Function whose passes
+    replay from CUDA graphs where a small shape repeats (``run_graphed``; eager otherwise, and
+    bitwise the eager result either way). What ``siglip_loss_local`` runs where a graph may replay
+    (an eager Triton call on the current CUDA device: ``graph_eligible``); the custom ops
+    otherwise. The backward reads the forward graph's copies of the inputs in place while they
+    still hold this call's (``inputs_of``). Saves the inputs: ``O((b + m) c)``."""
+
+    @staticmethod
+    def forward(ctx, query, key, scale, bias, query_ids, key_ids, backend, tile_size):
+        s, t = scale.detach(), bias.detach()
+        b = query.shape[0]
+        forward_fn, _ = siglip_passes(backend, tile_size, query.dtype, b)
+        (loss,), ctx.token = run_graphed("siglip_forward", forward_fn, (query, key, s, t, query_ids, key_ids),
+                                         options=(tile_size,), logits=b * key.shape[0], backend=backend,
+                                         token=True)
+        ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
+        ctx.options = (backend, tile_size, scale.shape, bias.shape)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        refuse_double_backward("the fused SigLIP")
+        saved = ctx.saved_tensors
+        backend, tile_size, s_shape, t_shape = ctx.options
+        query, key = saved[0], saved[1]
+        _, backward_fn = siglip_passes(backend, tile_size, query.dtype, query.shape[0])
+        inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
+        args = tuple(saved if inputs is None else inputs) + (grad,)
+        dq, dk, ds, dt = run_graphed("siglip_backward", backward_fn, args, options=(tile_size,),
+                                     logits=query.shape[0] * key.shape[0], backend=backend,
+                                     static=(0, 1, 2, 3, 4, 5))
+        return (dq, dk, ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
+                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None, None, None, None, None)
+
+
 def siglip_loss_local(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -344,7 +416,15 @@ def siglip_loss_local(
     ``torch.compile`` traces: two opaque ops of known output shapes). The inputs are validated by
     the caller, except for the value checks with ``validate`` (a finite scale and bias, and with
     ``check_finite`` finite features, with ``check_labels`` the query ids, made from labels, in
-    ``[0, m)``), which then run inside the forward op."""
+    ``[0, m)``), which then run inside the forward op.
+
+    An eager call that a CUDA graph may replay (``graph_eligible``) runs ``SigLIPFunction``
+    instead (the value checks, if asked, before it)."""
     backend = resolve_backend(backend, query.device)
-    return _siglip_forward_op(query.contiguous(), key.contiguous(), scale, bias, query_ids, key_ids, backend,
+    query, key = query.contiguous(), key.contiguous()
+    if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
+        if validate:
+            check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
+        return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, backend, tile_size)
+    return _siglip_forward_op(query, key, scale, bias, query_ids, key_ids, backend,
                               tile_size, validate, check_finite, check_labels)

@@ -157,3 +157,29 @@ def test_warm_up_captures_the_graphs_before_the_memory_and_timed_steps(monkeypat
     finally:
         if own:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["quick", "paired"])
+def test_ring_bench_siglip_default_call(tmp_path, mode):
+    """The SigLIP rows (``siglip`` names the algorithm it chose; the pinned ones run theirs;
+    OpenCLIP's ``SigLipLoss`` is skipped where open_clip cannot be imported, as on this CPU CI),
+    with the default call (``--check-finite``), timed as issue 37 did (``--quick``: one warm-up,
+    the median of three) or paired."""
+    extra = ("--quick",) if mode == "quick" else ("--paired", "1", "--paired-calls", "2")
+    rows, saved = _run(tmp_path, "--check-finite", *extra,
+                       impls=("siglip", "siglip_ring", "siglip_gather", "siglip_openclip", "infcl"))
+    suffix = "" if mode == "quick" else " (paired, 1 x 2 calls)"
+    assert [r["impl"] for r in saved] == ["siglip", "siglip_ring", "siglip_gather", "siglip_openclip", "infcl"]
+    assert rows["siglip"][5] == "ok (gather)" + suffix, rows["siglip"]
+    assert rows["siglip_ring"][5] == "ok" + suffix and rows["siglip_gather"][5] == "ok" + suffix
+    status = {r["impl"]: r["status"] for r in saved}["siglip_openclip"]
+    assert status.startswith(("ok", "skipped (open_clip unavailable")), status
+    assert rows["infcl"][5] == "ok (gather)" + suffix
+    assert rows["siglip"][3] == "-"  # no weak-scaling reference for SigLIP
+
+
+def test_quick_and_paired_exclude_each_other(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--quick", "--paired", "2"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode != 0 and "--quick times each point alone" in out.stderr

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from ds_infcl import settings  # noqa: E402
 from ds_infcl.loss import contrastive_loss, siglip_loss  # noqa: E402
+from ds_infcl.loss.siglip import last_siglip_algorithm  # noqa: E402
 from ds_infcl.ops import contrastive_loss_reference  # noqa: E402
 from ds_infcl.ops.siglip import siglip_reference  # noqa: E402
 
@@ -42,18 +44,23 @@ def cases(world):
             out.append(dict(backend=backend, dtype=dtype, symmetric=False, hard=1, sizes=unequal, c=384, scale=20.0))
     out.append(dict(backend="triton", dtype="bf16", symmetric=True, hard=0, sizes=[8192] * world, c=512, scale=100.0))
     out.append(dict(backend="triton", dtype="bf16", symmetric=True, hard=0, sizes=[1] + [5] * (world - 1), c=64, scale=5.0))
-    # SigLIP (the bias gradient is checked too): diagonal, and labels with hard negatives.
-    for backend in ("triton", "torch"):
-        for dtype in ("bf16", "fp32"):
-            out.append(dict(loss="siglip", backend=backend, dtype=dtype, symmetric=False, hard=0, sizes=unequal,
-                            c=500, scale=10.0, bias=-10.0))
-    out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=1, sizes=unequal, c=768,
-                    scale=10.0, bias=-3.0))
-    out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=0, sizes=[8192] * world,
-                    c=512, scale=10.0, bias=-10.0))
-    # fp16: the ring scales G's weight by a power of two that every rank shares (one all-reduce).
-    out.append(dict(loss="siglip", backend="triton", dtype="fp16", symmetric=False, hard=0, sizes=unequal,
-                    c=500, scale=10.0, bias=-10.0))
+    # SigLIP (the bias gradient is checked too): diagonal, and labels with hard negatives; the ring
+    # and the gather path each (DS_INFCL_ALGORITHM pinned).
+    for algorithm in ("ring", "gather"):
+        for backend in ("triton", "torch"):
+            for dtype in ("bf16", "fp32"):
+                out.append(dict(loss="siglip", backend=backend, dtype=dtype, symmetric=False, hard=0,
+                                sizes=unequal, c=500, scale=10.0, bias=-10.0, algorithm=algorithm))
+        out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=1, sizes=unequal, c=768,
+                        scale=10.0, bias=-3.0, algorithm=algorithm))
+        # fp16: the ring scales G's weight by a power of two that every rank shares (one all-reduce).
+        out.append(dict(loss="siglip", backend="triton", dtype="fp16", symmetric=False, hard=0, sizes=unequal,
+                        c=500, scale=10.0, bias=-10.0, algorithm=algorithm))
+    # The default choice at 8,192 rows per GPU, three calls of one shape: the first eager, the
+    # second captures the gather path's CUDA graphs, the third replays them.
+    for _ in range(3):
+        out.append(dict(loss="siglip", backend="triton", dtype="bf16", symmetric=False, hard=0, sizes=[8192] * world,
+                        c=512, scale=10.0, bias=-10.0, algorithm="auto"))
     return out
 
 
@@ -74,8 +81,9 @@ def run(case, seed, rank, world, device):
     siglip = case.get("loss") == "siglip"
     if siglip:
         bias = torch.tensor(case["bias"], device=device, requires_grad=True)
-        loss = siglip_loss(q_local, k_local, scale, bias, labels[rank].to(device), backend=case["backend"],
-                           group=dist.group.WORLD)
+        with settings.override("DS_INFCL_ALGORITHM", case.get("algorithm", "auto")):
+            loss = siglip_loss(q_local, k_local, scale, bias, labels[rank].to(device), backend=case["backend"],
+                               group=dist.group.WORLD)
     else:
         loss = contrastive_loss(q_local, k_local, scale, labels[rank].to(device), symmetric=case["symmetric"],
                                 backend=case["backend"], group=dist.group.WORLD)
@@ -99,6 +107,8 @@ def run(case, seed, rank, world, device):
         want = want.double()
         return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
+    if siglip and case.get("algorithm", "auto") != "auto":
+        assert last_siglip_algorithm() == case["algorithm"], (last_siglip_algorithm(), case)
     return {
         "loss": abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12),
         "dq": rel(q_local.grad / world, qr.grad[qs:qs + sizes[rank]]),
@@ -127,7 +137,7 @@ def main():
         ok = worst[0].item() <= loss_tol and max(worst[1:].tolist()) <= grad_tol
         failed += not ok
         if rank == 0:
-            desc = (f"{case.get('loss', 'infonce')} {case['backend']:6s} {case['dtype']} "
+            desc = (f"{case.get('loss', 'infonce')} {case.get('algorithm', '')} {case['backend']:6s} {case['dtype']} "
                     f"{'sym' if case['symmetric'] else 'one'} hard={case['hard']} "
                     f"sizes={case['sizes']} c={case['c']} s={case['scale']}")
             print(f"{'ok  ' if ok else 'FAIL'} W={world} {desc}: rel err loss {worst[0]:.2e} dq {worst[1]:.2e} "

@@ -6,7 +6,9 @@ import os
 
 import torch
 
+from ds_infcl import settings
 from ds_infcl.loss import SigLIPLoss, siglip_loss
+from ds_infcl.loss.siglip import last_siglip_algorithm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Per-rank row counts: equal, unequal (one rank empty at 4 ranks).
@@ -24,17 +26,27 @@ OPENCLIP_IMPLS = ("bidir", "shift", "reduce", "gather")
 UPSTREAM = 0.37
 
 
+# Both algorithms (DS_INFCL_ALGORITHM pinned; "auto" takes the gather path at these sizes).
+ALGORITHMS = ("ring", "gather")
+
+
 def cases(world):
     out = []
-    for sizes in ("equal", "unequal"):
-        for pos in ("diag", "labels", "ids"):
-            out.append(dict(kind="ours", sizes=SIZES[world][sizes], pos=pos, dtype="fp32", c=12))
-        out.append(dict(kind="ours", sizes=SIZES[world][sizes], pos="diag", dtype="bf16", c=12))
-        out.append(dict(kind="module", sizes=SIZES[world][sizes], pos="diag", dtype="fp32", c=12))
-    out.append(dict(kind="ours", sizes=SIZES[world]["unequal"], pos="labels", dtype="fp16", c=12))
-    # bf16 is left out of the interpreter (its bf16 dot is wrong; tests/gpu covers it).
-    for pos, dtype in (("labels", "fp32"), ("ids", "fp16")):
-        out.append(dict(kind="ours", sizes=TRITON_SIZES[world], pos=pos, dtype=dtype, c=12, backend="triton"))
+    for algorithm in ALGORITHMS:
+        for sizes in ("equal", "unequal"):
+            for pos, dtype in (("diag", "fp32"), ("labels", "fp32"), ("ids", "fp32"), ("diag", "bf16")):
+                out.append(dict(kind="ours", sizes=SIZES[world][sizes], pos=pos, dtype=dtype, c=12,
+                                algorithm=algorithm))
+        out.append(dict(kind="module", sizes=SIZES[world]["unequal"], pos="diag", dtype="fp32", c=12,
+                        algorithm=algorithm))
+        out.append(dict(kind="ours", sizes=SIZES[world]["unequal"], pos="labels", dtype="fp16", c=12,
+                        algorithm=algorithm))
+        # bf16 is left out of the interpreter (its bf16 dot is wrong; tests/gpu covers it).
+        for pos, dtype in (("labels", "fp32"), ("ids", "fp16")):
+            out.append(dict(kind="ours", sizes=TRITON_SIZES[world], pos=pos, dtype=dtype, c=12, backend="triton",
+                            algorithm=algorithm))
+    # The default choice, with the module's learnable scale and bias.
+    out.append(dict(kind="module", sizes=SIZES[world]["equal"], pos="diag", dtype="fp32", c=12, algorithm="auto"))
     for impl in OPENCLIP_IMPLS:
         out.append(dict(kind="openclip", impl=impl, sizes=SIZES[world]["equal"], pos="diag", dtype="fp32", c=12))
     # Our drop-in with OpenCLIP's signature (ds_infcl.adapters.open_clip_loss), unequal sizes too.
@@ -65,6 +77,17 @@ def _slice(t, sizes, rank):
 
 
 def run_case(case, seed, rank, world):
+    """The case on this rank: loss, gradients and, for our loss, the algorithm it took."""
+    algorithm = case.get("algorithm")
+    if algorithm is None:
+        return _run_case(case, seed, rank, world)
+    with settings.override("DS_INFCL_ALGORITHM", algorithm):
+        out = _run_case(case, seed, rank, world)
+    out["algorithm"] = last_siglip_algorithm()
+    return out
+
+
+def _run_case(case, seed, rank, world):
     data = case_data(case, seed)
     sizes, key_sizes = case["sizes"], data["key_sizes"]
     q = _slice(data["query"], sizes, rank).clone().requires_grad_(True)

@@ -1,4 +1,4 @@
-"""SigLIP across 2, 3 and 4 gloo ranks: the ring equals the float64 single-process reference on the
+"""SigLIP across 2, 3 and 4 gloo ranks: the ring and the gather path each equal the float64 single-process reference on the
 gathered batch (the loss on every rank, feature gradients W * dL/dF_r, scale and bias gradients
 after the mean over ranks), with equal and unequal per-rank sizes (one rank empty), diagonal /
 labels (hard negatives) / multi-positive ids, fp32, bf16 and fp16, the module with its learnable
@@ -76,6 +76,9 @@ def test_ring_matches_reference_and_openclip(world):
         name = f"{world} ranks, {case}"
         loss_tol, grad_tol = TOL[case["dtype"]]
         outs = [res["results"][seed] for res in results]
+        if "algorithm" in case:  # the algorithm it was pinned to; "auto" gathers at these sizes
+            want = "gather" if case["algorithm"] == "auto" else case["algorithm"]
+            assert all(o["algorithm"] == want for o in outs), (name, [o["algorithm"] for o in outs])
         if case["kind"] == "openclip":
             # OpenCLIP's loss on rank r is its local mean over its own images: the mean over ranks
             # is the global loss.
