@@ -47,7 +47,7 @@ from ds_infcl.errors import ConfigError
 __all__ = [
     "PackedTexts", "pack_texts", "pool_packed", "pool_padded", "PACKED_POOLING", "decoder_matmul_params",
     "decoder_flops", "apply_liger", "LayerCheckpointing", "activation_bytes", "decoder_layers", "liger_available",
-    "check_decoder_options",
+    "check_decoder_options", "TokenTally",
 ]
 
 PACKED_POOLING = ("lasttoken", "cls", "mean")
@@ -218,6 +218,26 @@ def decoder_flops(config, matmul_params: int, num_tokens: int, sum_sq_tokens: in
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = 4 * config.num_hidden_layers * head_dim * heads
     return 3.0 * (2.0 * matmul_params * num_tokens + attention * sum_sq_tokens)
+
+
+class TokenTally:
+    """Real tokens of tokenized batches (``attention_mask`` sums): examples, tokens, and the sum of
+    squared text lengths, for ``decoder_flops`` per example."""
+
+    def __init__(self):
+        self.examples = self.tokens = self.sum_sq = 0
+
+    def add(self, num_examples: int, *inputs: Dict[str, torch.Tensor]) -> None:
+        """Count ``num_examples`` examples whose texts are the rows of ``inputs`` (tokenized dicts)."""
+        for features in inputs:
+            ids, mask = features["input_ids"], features.get("attention_mask")
+            lengths = mask.sum(1).long() if mask is not None else torch.full((ids.shape[0],), ids.shape[1])
+            self.tokens += int(lengths.sum())
+            self.sum_sq += int((lengths ** 2).sum())
+        self.examples += num_examples
+
+    def flops_per_example(self, config, matmul_params: int) -> float:
+        return decoder_flops(config, matmul_params, self.tokens, self.sum_sq) / self.examples
 
 
 # ----------------------------------------------------------------------------------------------

@@ -589,6 +589,8 @@ class RetrievalEncoders(nn.Module):
         if gradient_checkpointing == "auto" and not self.is_decoder:
             raise ConfigError("gradient_checkpointing: \"auto\" estimates decoder activations; this model is an "
                               "encoder: set it true or false")
+        if not isinstance(packing, bool) or not isinstance(liger, bool):
+            raise ConfigError(f"packing / liger: true or false, got {packing!r} / {liger!r}")
         if isinstance(rows_multiple, bool) or not isinstance(rows_multiple, int) or rows_multiple < 1:
             raise ConfigError(f"pack_rows_multiple: a positive integer, got {rows_multiple!r}")
         check_decoder_options(packing=packing, liger=liger, is_decoder=self.is_decoder,

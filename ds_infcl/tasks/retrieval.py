@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from ds_infcl.adapters.decoder_step import TokenTally
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
 from ds_infcl.errors import ConfigError
@@ -80,13 +81,9 @@ class RetrievalTask(Task):
             passed to ``RetrievalEncoders`` (see docs/retrieval.md): e.g. ``query_template:
             "Instruct: {task}\nQuery: {text}"`` with ``task_description``, ``lora: {"r": 16,
             "alpha": 32, "target_modules": ["q_proj", "v_proj"]}`` (only the adapters train; the
-            export writes the merged model and ``adapter/``). ``gradient_checkpointing: "auto"``
-            (decoders): the layers recompute only in forwards whose activations would not fit.
-        packing, pack_row_tokens, pack_rows_multiple, liger: the decoder step
-            (``ds_infcl.adapters.decoder_step``): each chunk's texts packed without padding, and
-            Liger-Kernel's fused RMSNorm/SwiGLU/RoPE (docs/retrieval.md, "The decoder step").
-            With a decoder, ``model_flops_per_sample`` is the LLM formula over the real tokens of
-            the batches made so far (the MFU column), grouped key/value heads included.
+            export writes the merged model and ``adapter/``).
+        packing, pack_row_tokens, pack_rows_multiple, liger, gradient_checkpointing="auto": the
+            decoder step (``ds_infcl.adapters.decoder_step``, docs/retrieval.md).
         scale: fixed logit scale (20) unless the run config makes it learnable.
         mask_false_negatives: pass text ids to the loss (default True).
         duplicates: what the global batch sampler does with examples whose texts repeat one
@@ -139,10 +136,7 @@ class RetrievalTask(Task):
         dtype: Optional[str] = None,
         gradient_checkpointing: Union[bool, str] = False,
         lora: Optional[Dict[str, Any]] = None,
-        packing: bool = False,
-        pack_row_tokens: Optional[int] = None,
-        pack_rows_multiple: int = 8,
-        liger: bool = False,
+        packing: bool = False, pack_row_tokens: Optional[int] = None, pack_rows_multiple: int = 8, liger: bool = False,
         heldout_fraction: float = 0.2,
         eval_batch_size: int = 256,
         beir_data: Optional[str] = None,
@@ -233,10 +227,7 @@ class RetrievalTask(Task):
                                  padding_side=padding_side, dtype=dtype,
                                  gradient_checkpointing=gradient_checkpointing, lora=lora, packing=packing,
                                  pack_row_tokens=pack_row_tokens, pack_rows_multiple=pack_rows_multiple, liger=liger)
-        if not isinstance(packing, bool) or not isinstance(liger, bool):
-            raise ConfigError(f"task.args.packing / liger: true or false, got {packing!r} / {liger!r}")
-        # real tokens of the batches made on this rank: examples, tokens, sum of squared lengths
-        self._token_stats = [0, 0, 0]
+        self._tokens = TokenTally()  # real tokens of the batches made on this rank (the MFU)
         self.num_negatives = num_negatives
         self.scale = scale
         self.mask_false_negatives = mask_false_negatives
@@ -384,7 +375,7 @@ class RetrievalTask(Task):
         }
         out["query_inputs"] = {k: v for k, v in out["query_inputs"].items() if torch.is_tensor(v)}
         out["key_inputs"] = {k: v for k, v in out["key_inputs"].items() if torch.is_tensor(v)}
-        self._count_tokens(len(examples), out["query_inputs"], out["key_inputs"])
+        self._tokens.add(len(examples), out["query_inputs"], out["key_inputs"])
         if self.mask_false_negatives:
             width = max(len(ex.pos) for ex in examples)
             pos_ids = []
@@ -394,28 +385,14 @@ class RetrievalTask(Task):
             out["loss_inputs"] = {"key_ids": text_ids(keys), "positive_ids": torch.stack(pos_ids)}
         return out
 
-    def _count_tokens(self, num_examples: int, *inputs: Dict[str, torch.Tensor]) -> None:
-        for features in inputs:
-            mask = features.get("attention_mask")
-            lengths = mask.sum(1) if mask is not None else torch.full((features["input_ids"].shape[0],),
-                                                                      features["input_ids"].shape[1])
-            self._token_stats[1] += int(lengths.sum())
-            self._token_stats[2] += int((lengths.long() ** 2).sum())
-        self._token_stats[0] += num_examples
-
     def model_flops_per_sample(self) -> Optional[float]:
-        """Decoders: training FLOPs of one example by the LLM formula
-        (``decoder_step.decoder_flops``: 6 N per real token plus the attention of each text over
-        its own length), averaged over the batches this rank made so far (the first at least).
-        ``None`` for encoders: the engine counts them with torch's FLOP counter."""
-        from ds_infcl.adapters.decoder_step import decoder_flops
-
+        """Decoders: training FLOPs of one example by the LLM formula (``decoder_step.TokenTally``
+        over the batches this rank made so far, the first at least); ``None`` for encoders (the
+        engine counts them with torch's FLOP counter)."""
         towers = self.build_towers()
-        examples, tokens, sum_sq = self._token_stats
-        if not towers.is_decoder or examples == 0:
+        if not towers.is_decoder or self._tokens.examples == 0:
             return None
-        config = towers.query_model[0].auto_model.config
-        return decoder_flops(config, towers.matmul_params(), tokens, sum_sq) / examples
+        return self._tokens.flops_per_example(towers.query_model[0].auto_model.config, towers.matmul_params())
 
     def batches(
         self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
