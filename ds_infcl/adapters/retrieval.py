@@ -29,12 +29,14 @@ import hashlib
 import os
 import string
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ds_infcl.adapters.decoder_step import (LayerCheckpointing, apply_liger, check_decoder_options, decoder_matmul_params,
+                                            pack_texts, pool_packed)
 from ds_infcl.adapters.retrieval_export import save_encoders, st_embedding_dim
 from ds_infcl.loss.retrieval import RetrievalLoss, false_negative_pairs, keys_and_labels, retrieval_loss  # noqa: F401 (re-exported)
 
@@ -208,9 +210,11 @@ def load_sentence_transformer(
 
 
 def encode_chunked(
-    model: nn.Module, features: Dict[str, torch.Tensor], chunk_size: Optional[int], *, force_checkpoint: bool = False
+    model: nn.Module, features: Dict[str, torch.Tensor], chunk_size: Optional[int], *, force_checkpoint: bool = False,
+    forward: Optional[Callable[[Dict[str, torch.Tensor]], torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """``model(features)["sentence_embedding"]`` for all rows, ``chunk_size`` rows at a time.
+    """``model(features)["sentence_embedding"]`` for all rows, ``chunk_size`` rows at a time
+    (``forward(features)`` in its place when given: the packed decoder forward).
 
     With gradients enabled each chunk runs under non-reentrant activation checkpointing: only its
     inputs and outputs are kept, its activations are recomputed (under the saved RNG state, so
@@ -219,15 +223,18 @@ def encode_chunked(
     chunk of activations, and a *single* backward per step (which is what DeepSpeed ZeRO needs).
     ``force_checkpoint`` checkpoints even a single chunk (when the caller splits the batch).
     """
+    if forward is None:
+        def forward(feats):
+            return model(feats)["sentence_embedding"]
     n = features["input_ids"].shape[0]
     if not force_checkpoint and (not chunk_size or chunk_size >= n):
-        return model(dict(features))["sentence_embedding"]
+        return forward(dict(features))
     chunk_size = chunk_size or n
     keys = tuple(k for k, v in features.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n)
     constants = {k: v for k, v in features.items() if k not in keys}
 
     def run(*tensors):
-        return model({**constants, **dict(zip(keys, tensors))})["sentence_embedding"]
+        return forward({**constants, **dict(zip(keys, tensors))})
 
     outs = []
     for start in range(0, n, chunk_size):
@@ -465,7 +472,18 @@ class RetrievalEncoders(nn.Module):
         dtype: load the weights in ``"bfloat16"``, ``"float16"`` or ``"float32"`` (default: as
             transformers loads the folder).
         gradient_checkpointing: checkpoint the transformer's layers (non-reentrant, so it nests in
-            ``encode_chunked``'s chunk checkpoints; dropout masks are replayed exactly).
+            ``encode_chunked``'s chunk checkpoints; dropout masks are replayed exactly); ``"auto"``
+            (decoders): only in the forwards whose activations would not fit the free device
+            memory (``ds_infcl.adapters.decoder_step.LayerCheckpointing``).
+        packing: decoders: run each chunk's texts packed into rows without padding, position ids
+            restarting per text and attention within each text (``decoder_step.pack_texts``);
+            pooling ``lasttoken``, ``mean`` or ``cls``. Same embeddings and gradients as padded, to
+            rounding, without the compute on padding.
+        pack_row_tokens: tokens per packed row (default: the chunk's longest text).
+        pack_rows_multiple: round the packed rows up to a multiple of this (fewer shapes for
+            compiled blocks; default 8).
+        liger: decoders: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (``pip install
+            liger-kernel``, CUDA; ``decoder_step.apply_liger``).
         lora: train LoRA adapters only (``peft``): ``{"r": 8, "alpha": 16, "dropout": 0.0,
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}`` (``alpha`` defaults
             to ``r``, ``dropout`` to 0, ``target_modules`` to peft's choice for the
@@ -502,8 +520,12 @@ class RetrievalEncoders(nn.Module):
         append_eos: Optional[bool] = None,
         padding_side: Optional[str] = None,
         dtype: Union[None, str, torch.dtype] = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Union[bool, str] = False,
         lora: Optional[Dict[str, Any]] = None,
+        packing: bool = False,
+        pack_row_tokens: Optional[int] = None,
+        pack_rows_multiple: int = 8,
+        liger: bool = False,
     ):
         super().__init__()
         # every option is checked before the (possibly large) model is loaded
@@ -529,12 +551,23 @@ class RetrievalEncoders(nn.Module):
             self.tokenizer_changes = configure_decoder_tokenizer(
                 tokenizer, append_eos=self.append_eos, padding_side=padding_side, set_pad_token=self.is_decoder
             )
-        if gradient_checkpointing:
+        self._check_decoder_options(model, packing, liger, gradient_checkpointing, pack_rows_multiple)
+        if liger:
+            apply_liger(_transformer_module(model, "liger").auto_model)
+        if gradient_checkpointing is True and not self.is_decoder:
             _enable_gradient_checkpointing(model)
         self.query_model = model
         self.separate = separate
         if separate:
             self.document_model = copy.deepcopy(self.query_model)
+        # per tower: whether its layers recompute (decoders: set before each forward, see _forward)
+        self._checkpointing: Dict[str, LayerCheckpointing] = {}
+        if self.is_decoder and gradient_checkpointing is not False:
+            for side in ("query", "document") if separate else ("query",):
+                hf = _transformer_module(self.query_model if side == "query" else self.document_model, "x").auto_model
+                self._checkpointing[side] = LayerCheckpointing(hf, gradient_checkpointing)
+        self.packing, self.liger = bool(packing), bool(liger)
+        self.pack_row_tokens, self.pack_rows_multiple = pack_row_tokens, int(pack_rows_multiple)
         self.lora = lora
         if lora is not None:
             for tower in (self.query_model, self.document_model) if separate else (self.query_model,):
@@ -544,8 +577,63 @@ class RetrievalEncoders(nn.Module):
         self.query_template = query_template
         self.document_template = document_template
         self.task_description = task_description
-        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.gradient_checkpointing = gradient_checkpointing
         self.chunk_size = chunk_size
+
+    def _check_decoder_options(self, model, packing, liger, gradient_checkpointing, rows_multiple) -> None:
+        """The decoder-step options against the loaded model (before any weight is changed)."""
+        from ds_infcl.errors import ConfigError
+
+        if gradient_checkpointing not in (True, False, "auto"):
+            raise ConfigError(f"gradient_checkpointing: true, false or \"auto\", got {gradient_checkpointing!r}")
+        if gradient_checkpointing == "auto" and not self.is_decoder:
+            raise ConfigError("gradient_checkpointing: \"auto\" estimates decoder activations; this model is an "
+                              "encoder: set it true or false")
+        if not isinstance(packing, bool) or not isinstance(liger, bool):
+            raise ConfigError(f"packing / liger: true or false, got {packing!r} / {liger!r}")
+        if isinstance(rows_multiple, bool) or not isinstance(rows_multiple, int) or rows_multiple < 1:
+            raise ConfigError(f"pack_rows_multiple: a positive integer, got {rows_multiple!r}")
+        check_decoder_options(packing=packing, liger=liger, is_decoder=self.is_decoder,
+                              pooling=self._pooling(model)[0] if packing else None)
+
+    @staticmethod
+    def _pooling(model):
+        """``(mode, pooling module index)`` of the sentence-transformers model's Pooling module."""
+        m = _st_modules()
+        for i, mod in enumerate(model):
+            if isinstance(mod, m.Pooling):
+                mode = mod.pooling_mode if isinstance(mod.pooling_mode, str) else "+".join(mod.pooling_mode)
+                if not getattr(mod, "include_prompt", True):
+                    mode += " (include_prompt=False)"
+                return mode, i
+        return None, None
+
+    def _forward(self, side: str, features: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """One chunk's ``[n, c]`` embeddings: layer checkpointing decided for it, packed or padded."""
+        model = self.query_model if side == "query" or not self.separate else self.document_model
+        packed = None
+        if self.packing:
+            tok = getattr(model[0], "tokenizer", None)
+            packed = pack_texts(features["input_ids"], features.get("attention_mask"), row_tokens=self.pack_row_tokens,
+                                rows_multiple=self.pack_rows_multiple,
+                                pad_token_id=getattr(tok, "pad_token_id", None) or 0)
+        checkpointing = self._checkpointing.get(side if self.separate else "query")
+        if checkpointing is not None:
+            ids = features["input_ids"] if packed is None else packed.input_ids
+            checkpointing.decide(ids.numel(), ids.device, next(model.parameters()).dtype)
+        if packed is None:
+            return model(features)["sentence_embedding"]
+        mode, index = self._pooling(model)
+        hidden = model[0].auto_model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                     use_cache=False).last_hidden_state
+        out = {"sentence_embedding": pool_packed(hidden, packed, mode)}
+        for mod in list(model)[index + 1:]:  # Dense, Normalize ... after the pooling
+            out = mod(out)
+        return out["sentence_embedding"]
+
+    def matmul_params(self) -> int:
+        """``N`` of the decoder FLOPs formula (``decoder_step.decoder_matmul_params``) of one tower."""
+        return decoder_matmul_params(_transformer_module(self.query_model, "matmul_params").auto_model)
 
     @property
     def doc_model(self):
@@ -558,10 +646,12 @@ class RetrievalEncoders(nn.Module):
         return _tokenize(self.doc_model, [self.document_prefix + t for t in texts])
 
     def encode_query(self, features: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return encode_chunked(self.query_model, features, self.chunk_size)
+        return encode_chunked(self.query_model, features, self.chunk_size,
+                              forward=lambda f: self._forward("query", f))
 
     def encode_key(self, features: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return encode_chunked(self.doc_model, features, self.chunk_size)
+        return encode_chunked(self.doc_model, features, self.chunk_size,
+                              forward=lambda f: self._forward("document", f))
 
     def encode_texts(self, texts: Sequence[str], side: str = "query", chunk_size: Optional[int] = None) -> torch.Tensor:
         """``[n, c]`` embeddings of raw texts, in order, differentiable.
@@ -582,7 +672,8 @@ class RetrievalEncoders(nn.Module):
         for start in range(0, n, chunk):
             features = _tokenize(model, [prefix + texts[i] for i in order[start : start + chunk]])
             features = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in features.items()}
-            outs.append(encode_chunked(model, features, chunk, force_checkpoint=n > chunk))
+            outs.append(encode_chunked(model, features, chunk, force_checkpoint=n > chunk,
+                                       forward=lambda f: self._forward(side, f)))
         emb = torch.cat(outs)
         inverse = torch.empty(n, dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(n)

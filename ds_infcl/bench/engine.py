@@ -20,7 +20,10 @@ quadratically. ``--arch tiny`` runs the same pipeline in seconds (CPU smoke test
 
 An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "blocks"``),
 ``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
-(``infcl+compile+auto``); ``--set KEY=VALUE`` overrides any run-config key of every case.
+(``infcl+compile+auto``); for ``--task bench_decoder`` also ``+liger``, ``+packing``, ``+nogc``
+(no layer checkpointing), ``+gcauto`` (checkpointing only where a forward would not fit) and
+``+chunkN`` (that case's GradCache chunk), so one command gives the "what each change gave" table
+of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any run-config key of every case.
 ``openclip_step`` is OpenCLIP's own training step (``ds_infcl.bench.openclip_step``: ``amp_bf16``,
 TF32 allowed, AdamW fused, DDP and ``ClipLoss`` with ``local_loss`` + ``gather_with_grad``) in each
 of ``--openclip-modes``: ``eager``, ``compile`` (its ``--torchcompile``), each optionally ``+gc``
@@ -71,23 +74,30 @@ def _model_label(args) -> str:
     return f"{args.task} {args.task_args}" if args.task_args else args.task
 
 
-def _tokens_per_sample(args) -> Optional[int]:
+def _tokens_per_sample(args) -> Optional[float]:
+    """Real tokens of one example of ``bench_decoder`` (its expected value with ``min_seq_len``)."""
     if args.task != "bench_decoder":
         return None
-    extra = json.loads(args.task_args) if args.task_args else {}
-    return int(extra.get("seq_len", 256)) * (2 + int(extra.get("num_negatives", 1)))
+    from ds_infcl.tasks.base import get_task
+
+    return get_task("bench_decoder", json.loads(args.task_args) if args.task_args else {}).tokens_per_sample()
 
 
-IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto"}
+# ``+option`` of an impl: run-config overrides (the decoder ones are bench_decoder's task arguments)
+IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto",
+                "liger": "task.args.liger=true", "packing": "task.args.packing=true",
+                "nogc": "task.args.gradient_checkpointing=false", "gcauto": "task.args.gradient_checkpointing=auto"}
 
 
 def parse_impl(spec: str):
-    """``"infcl+compile+auto"`` -> ``("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])``."""
+    """``"infcl+compile+auto"`` -> ``("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])``;
+    ``chunkN`` sets the GradCache chunk of that case to ``N`` (``infcl+nogc+chunk16``)."""
     loss, *options = spec.split("+")
-    unknown = [o for o in options if o not in IMPL_OPTIONS]
+    unknown = [o for o in options if o not in IMPL_OPTIONS and not (o.startswith("chunk") and o[5:].isdigit())]
     if not loss or unknown:
-        raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)}")
-    return loss, [IMPL_OPTIONS[o] for o in options]
+        raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)} "
+                         "or chunkN")
+    return loss, [IMPL_OPTIONS[o] if o in IMPL_OPTIONS else f"batch.chunk_size={int(o[5:])}" for o in options]
 
 
 def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
@@ -168,6 +178,8 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     os.makedirs(out)
     chunk = min(args.chunk_size, global_batch // args.num_gpus)
     loss_impl, impl_sets = parse_impl(impl)
+    impl_sets = [o if not o.startswith("batch.chunk_size=") or o.endswith("auto")
+                 else f"batch.chunk_size={min(int(o.split('=')[1]), global_batch // args.num_gpus)}" for o in impl_sets]
     run = {
         "task": {"name": args.task, "args": _task_args(args)},
         "loss": {"impl": loss_impl},

@@ -9,17 +9,26 @@ E5-Mistral / GTE-Qwen embedders are; the loss is one-directional InfoNCE with a 
 As in ``bench_clip``, the token ids are generated on the device from the global sample indices
 (a host batch is ``[b]`` int64 indices), deterministically, so GradCache's replay sees the same
 inputs. ``lora`` trains LoRA adapters only (peft); ``gradient_checkpointing`` recomputes each
-layer in the backward (non-reentrant, exact under GradCache's replay).
+layer in the backward (non-reentrant, exact under GradCache's replay), ``"auto"`` only where a
+forward's activations would not fit.
+
+The decoder step's options (``ds_infcl.adapters.decoder_step``) switch on one at a time for a
+"what each change gave" table: ``min_seq_len`` gives texts of varied lengths (right-padded),
+``packing`` packs them into rows without padding, ``liger`` patches in Liger-Kernel's fused
+RMSNorm, SwiGLU and RoPE; the run config's ``model.compile`` compiles the decoder layers. The
+model FLOPs count real tokens only (``decoder_step.decoder_flops``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
+from ds_infcl.adapters.decoder_step import LayerCheckpointing, apply_liger, decoder_flops, pack_texts, pool_packed, pool_padded
+from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.base import Batch, Task
 
 __all__ = ["BenchDecoderTask", "DECODER_ARCHS"]
@@ -36,19 +45,18 @@ DECODER_ARCHS: Dict[str, Dict[str, Any]] = {
 class _GeneratedDecoderTowers(nn.Module):
     """One decoder shared by queries and documents (as the embedders are trained)."""
 
-    def __init__(self, arch: str, seq_len: int, num_keys: int, lora: Optional[Dict[str, Any]],
-                 gradient_checkpointing: bool, attn_implementation: str):
+    def __init__(self, task: "BenchDecoderTask"):
         super().__init__()
         from transformers import AutoModel, Qwen2Config
 
-        config = Qwen2Config(**DECODER_ARCHS[arch])
-        config._attn_implementation = attn_implementation
+        config = Qwen2Config(**DECODER_ARCHS[task.arch])
+        config._attn_implementation = task.attn_implementation
         model = AutoModel.from_config(config)
-        if gradient_checkpointing:  # transformers >= 5 renamed it; older versions have the old name only
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if task.liger:
+            apply_liger(model)
+        self.checkpointing = LayerCheckpointing(model, task.gradient_checkpointing) \
+            if task.gradient_checkpointing is not False else None
+        lora = task.lora
         if lora:
             from peft import LoraConfig, get_peft_model
 
@@ -58,28 +66,50 @@ class _GeneratedDecoderTowers(nn.Module):
                 target_modules=list(lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"])),
             ))
         self.model = model
-        self.seq_len = seq_len
-        self.num_keys = num_keys
+        self.seq_len, self.min_seq_len = task.seq_len, task.min_seq_len
+        self.num_keys = 1 + task.num_negatives
         self.vocab = config.vocab_size
+        self.packing, self.pack_rows_multiple = task.packing, task.pack_rows_multiple
 
-    def _ids(self, index: torch.Tensor, salt: int) -> torch.Tensor:
+    def _ids(self, index: torch.Tensor, salt: int):
+        """``[n, seq_len]`` ids, right-padded with 0 past each text's length, the length's last
+        token an end-of-text id (the pooled position), and the ``[n, seq_len]`` attention mask
+        (``None`` when every text has ``seq_len`` tokens)."""
         g = torch.Generator(device=index.device)
         g.manual_seed((int(index[0]) * 2654435761 + salt) % (2**61))
         ids = torch.randint(0, self.vocab - 1, (len(index), self.seq_len), generator=g, device=index.device)
-        ids[:, -1] = self.vocab - 1  # an end-of-text token last: the pooled position
-        return ids
+        if self.min_seq_len == self.seq_len:
+            ids[:, -1] = self.vocab - 1
+            return ids, None
+        lengths = torch.randint(self.min_seq_len, self.seq_len + 1, (len(index),), generator=g, device=index.device)
+        cols = torch.arange(self.seq_len, device=index.device)
+        mask = (cols[None, :] < lengths[:, None]).long()
+        ids = torch.where(cols[None, :] == lengths[:, None] - 1, self.vocab - 1, ids * mask)
+        return ids, mask
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=ids).last_hidden_state
-        return nn.functional.normalize(hidden[:, -1].float(), dim=-1).to(hidden.dtype)
+    def _embed(self, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        dtype = next(self.model.parameters()).dtype
+        if self.packing:
+            packed = pack_texts(ids, mask, row_tokens=self.seq_len, rows_multiple=self.pack_rows_multiple)
+            if self.checkpointing is not None:
+                self.checkpointing.decide(packed.input_ids.numel(), ids.device, dtype)
+            hidden = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                use_cache=False).last_hidden_state
+            pooled = pool_packed(hidden, packed, "lasttoken")
+        else:
+            if self.checkpointing is not None:
+                self.checkpointing.decide(ids.numel(), ids.device, dtype)
+            hidden = self.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            pooled = pool_padded(hidden, mask, "lasttoken")
+        return nn.functional.normalize(pooled.float(), dim=-1).to(hidden.dtype)
 
     def encode_query(self, index: torch.Tensor) -> torch.Tensor:
-        return self._embed(self._ids(index, 0))
+        return self._embed(*self._ids(index, 0))
 
     def encode_key(self, index: torch.Tensor) -> torch.Tensor:
         # ``index`` holds each query's index repeated once per key; a key's ids depend on its position.
         keys = index * self.num_keys + torch.arange(len(index), device=index.device) % self.num_keys
-        return self._embed(self._ids(keys, 1))
+        return self._embed(*self._ids(keys, 1))
 
 
 class BenchDecoderTask(Task):
@@ -87,51 +117,80 @@ class BenchDecoderTask(Task):
 
     Args:
         arch: ``"qwen2-1.5b"`` or ``"tiny"``.
-        seq_len: tokens per text (queries and documents).
+        seq_len: tokens per text (queries and documents); the longest text with ``min_seq_len``.
+        min_seq_len: shortest text (default ``seq_len``: every text has ``seq_len`` tokens, no
+            padding). Below ``seq_len``, each text's length is drawn uniformly from ``[min_seq_len,
+            seq_len]`` (from its index, so replays see it again) and the batch is right-padded: the
+            padding that ``packing`` removes.
         num_negatives: hard negatives per query (keys per query: ``1 + num_negatives``).
         lora: ``{"r", "alpha", "dropout", "target_modules"}`` to train LoRA adapters only.
-        gradient_checkpointing: recompute each layer in the backward.
-        attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+        gradient_checkpointing: ``True`` (default): recompute each layer in the backward; ``False``;
+            ``"auto"``: only in the forwards whose activations would not fit the free device memory
+            (``ds_infcl.adapters.decoder_step.LayerCheckpointing``, logged).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"`` or ``"flash_attention_2"`` (needs the
+            flash-attn package).
+        packing: pack each chunk's texts into rows of ``seq_len`` tokens without padding
+            (``decoder_step.pack_texts``); ``pack_rows_multiple`` rounds the rows up (default 8).
+        liger: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (``pip install liger-kernel``, CUDA).
     """
 
     name = "bench_decoder"
 
     def __init__(self, arch: str = "qwen2-1.5b", seq_len: int = 256, num_negatives: int = 1,
-                 lora: Optional[Dict[str, Any]] = None, gradient_checkpointing: bool = True,
-                 attn_implementation: str = "sdpa"):
+                 lora: Optional[Dict[str, Any]] = None, gradient_checkpointing: Union[bool, str] = True,
+                 attn_implementation: str = "sdpa", min_seq_len: Optional[int] = None, packing: bool = False,
+                 pack_rows_multiple: int = 8, liger: bool = False):
         if arch not in DECODER_ARCHS:
             raise ValueError(f"arch must be one of {sorted(DECODER_ARCHS)}, got {arch!r}")
         if seq_len < 1 or seq_len > DECODER_ARCHS[arch]["max_position_embeddings"]:
             raise ValueError(f"seq_len must be in [1, {DECODER_ARCHS[arch]['max_position_embeddings']}], got {seq_len}")
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
-        self.arch, self.seq_len, self.num_negatives = arch, seq_len, num_negatives
+        min_seq_len = seq_len if min_seq_len is None else min_seq_len
+        if not 1 <= min_seq_len <= seq_len:
+            raise ConfigError(f"task.args.min_seq_len: in [1, seq_len={seq_len}], got {min_seq_len}")
+        if gradient_checkpointing not in (True, False, "auto"):
+            raise ConfigError(f"task.args.gradient_checkpointing: true, false or \"auto\", got {gradient_checkpointing!r}")
+        for key, value in (("packing", packing), ("liger", liger)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"task.args.{key}: true or false, got {value!r}")
+        self.arch, self.seq_len, self.min_seq_len, self.num_negatives = arch, seq_len, min_seq_len, num_negatives
         self.lora, self.gradient_checkpointing = lora, gradient_checkpointing
         self.attn_implementation = attn_implementation
+        self.packing, self.pack_rows_multiple, self.liger = packing, int(pack_rows_multiple), liger
 
     def build_towers(self) -> nn.Module:
-        return _GeneratedDecoderTowers(self.arch, self.seq_len, 1 + self.num_negatives, self.lora,
-                                       self.gradient_checkpointing, self.attn_implementation)
+        return _GeneratedDecoderTowers(self)
 
     def loss_defaults(self) -> Dict[str, Any]:
         return {"symmetric": False, "init_logit_scale": math.log(20.0), "learnable_scale": False}
 
-    def model_flops_per_sample(self) -> float:
-        """Training FLOPs of one example by the usual LLM formula (PaLM, appendix B): per token
-        ``6 N + 12 L H T`` with ``N`` the non-embedding parameters, ``L`` layers, ``H`` width and
-        ``T`` the sequence length (the attention scores counted in full). It is the full model's
-        figure with LoRA too (which skips the weight gradients: about 4 N of work per token).
-        torch's FLOP counter cannot count SDPA with grouped key/value heads on every version."""
+    def matmul_params(self) -> int:
+        """``N``: the weights of the decoder blocks' linear layers (q, o: width x width; k, v: width
+        x the key/value width; the gated MLP's three)."""
         a = DECODER_ARCHS[self.arch]
-        h, layers, inter = a["hidden_size"], a["num_hidden_layers"], a["intermediate_size"]
+        h, inter = a["hidden_size"], a["intermediate_size"]
         kv = h * a["num_key_value_heads"] // a["num_attention_heads"]
-        per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o; k, v; gate, up, down
-        n = layers * per_layer
-        return float(self.tokens_per_sample() * (6 * n + 12 * layers * h * self.seq_len))
+        return a["num_hidden_layers"] * (h * h * 2 + h * kv * 2 + 3 * h * inter)
 
-    def tokens_per_sample(self) -> int:
-        """Tokens one example puts through the model (its query and its documents)."""
-        return self.seq_len * (2 + self.num_negatives)
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs of one example by the LLM formula (``decoder_step.decoder_flops``; with
+        every text ``seq_len`` long, ``6 N + 12 L H T`` per token as in PaLM's appendix B): the
+        expected value over the uniform lengths when ``min_seq_len < seq_len``, real tokens only. It
+        is the full model's figure with LoRA too (which skips the weight gradients: about 4 N of work
+        per token). torch's FLOP counter cannot count SDPA with grouped key/value heads on every
+        version."""
+        from transformers import Qwen2Config
+
+        lo, hi = self.min_seq_len, self.seq_len
+        mean = (lo + hi) / 2
+        mean_sq = mean * mean + ((hi - lo + 1) ** 2 - 1) / 12  # E[l^2] of the uniform integers lo..hi
+        texts = 2 + self.num_negatives
+        return decoder_flops(Qwen2Config(**DECODER_ARCHS[self.arch]), self.matmul_params(), texts * mean, texts * mean_sq)
+
+    def tokens_per_sample(self) -> float:
+        """Real tokens one example puts through the model (its query and its documents), expected."""
+        return (self.seq_len + self.min_seq_len) / 2 * (2 + self.num_negatives)
 
     def batches(self, *, rank, world_size, local_batch_size, start_step, seed) -> Iterator[Batch]:
         kpq = 1 + self.num_negatives

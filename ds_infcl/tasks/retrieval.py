@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from ds_infcl.adapters.decoder_step import TokenTally
 from ds_infcl.adapters.retrieval import RetrievalEncoders, RetrievalLoss, text_ids
 from ds_infcl.adapters.retrieval_eval import retrieval_metrics
 from ds_infcl.errors import ConfigError
@@ -81,6 +82,8 @@ class RetrievalTask(Task):
             "Instruct: {task}\nQuery: {text}"`` with ``task_description``, ``lora: {"r": 16,
             "alpha": 32, "target_modules": ["q_proj", "v_proj"]}`` (only the adapters train; the
             export writes the merged model and ``adapter/``).
+        packing, pack_row_tokens, pack_rows_multiple, liger, gradient_checkpointing="auto": the
+            decoder step (``ds_infcl.adapters.decoder_step``, docs/retrieval.md).
         scale: fixed logit scale (20) unless the run config makes it learnable.
         mask_false_negatives: pass text ids to the loss (default True).
         duplicates: what the global batch sampler does with examples whose texts repeat one
@@ -131,8 +134,9 @@ class RetrievalTask(Task):
         append_eos: Optional[bool] = None,
         padding_side: Optional[str] = None,
         dtype: Optional[str] = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Union[bool, str] = False,
         lora: Optional[Dict[str, Any]] = None,
+        packing: bool = False, pack_row_tokens: Optional[int] = None, pack_rows_multiple: int = 8, liger: bool = False,
         heldout_fraction: float = 0.2,
         eval_batch_size: int = 256,
         beir_data: Optional[str] = None,
@@ -221,7 +225,9 @@ class RetrievalTask(Task):
                                  query_template=query_template, document_template=document_template,
                                  task_description=task_description, append_eos=append_eos,
                                  padding_side=padding_side, dtype=dtype,
-                                 gradient_checkpointing=gradient_checkpointing, lora=lora)
+                                 gradient_checkpointing=gradient_checkpointing, lora=lora, packing=packing,
+                                 pack_row_tokens=pack_row_tokens, pack_rows_multiple=pack_rows_multiple, liger=liger)
+        self._tokens = TokenTally()  # real tokens of the batches made on this rank (the MFU)
         self.num_negatives = num_negatives
         self.scale = scale
         self.mask_false_negatives = mask_false_negatives
@@ -369,6 +375,7 @@ class RetrievalTask(Task):
         }
         out["query_inputs"] = {k: v for k, v in out["query_inputs"].items() if torch.is_tensor(v)}
         out["key_inputs"] = {k: v for k, v in out["key_inputs"].items() if torch.is_tensor(v)}
+        self._tokens.add(len(examples), out["query_inputs"], out["key_inputs"])
         if self.mask_false_negatives:
             width = max(len(ex.pos) for ex in examples)
             pos_ids = []
@@ -377,6 +384,15 @@ class RetrievalTask(Task):
                 pos_ids.append(torch.cat([ids, ids[:1].expand(width - len(ex.pos))]))
             out["loss_inputs"] = {"key_ids": text_ids(keys), "positive_ids": torch.stack(pos_ids)}
         return out
+
+    def model_flops_per_sample(self) -> Optional[float]:
+        """Decoders: training FLOPs of one example by the LLM formula (``decoder_step.TokenTally``
+        over the batches this rank made so far, the first at least); ``None`` for encoders (the
+        engine counts them with torch's FLOP counter)."""
+        towers = self.build_towers()
+        if not towers.is_decoder or self._tokens.examples == 0:
+            return None
+        return self._tokens.flops_per_example(towers.query_model[0].auto_model.config, towers.matmul_params())
 
     def batches(
         self, *, rank: int, world_size: int, local_batch_size: int, start_step: int, seed: int
