@@ -129,6 +129,11 @@ class BenchDecoderTask(Task):
         n = layers * per_layer
         return float(self.tokens_per_sample() * (6 * n + 12 * layers * h * self.seq_len))
 
+    def recomputed_forward_fraction(self) -> float:
+        """Gradient checkpointing recomputes every decoder layer's forward in the backward (the
+        embeddings and the final norm, a small share of the FLOPs, are not)."""
+        return 1.0 if self.gradient_checkpointing else 0.0
+
     def tokens_per_sample(self) -> int:
         """Tokens one example puts through the model (its query and its documents)."""
         return self.seq_len * (2 + self.num_negatives)
