@@ -32,24 +32,10 @@ from typing import Any, Dict, List, Optional, Union
 from ds_infcl.errors import ConfigError  # re-exported: its home before ds_infcl.errors
 
 __all__ = [
-    "ConfigError",
-    "TaskConfig",
-    "LossConfig",
-    "BatchConfig",
-    "ModelConfig",
-    "DataConfig",
-    "TrainConfig",
-    "EvalConfig",
-    "LoggingConfig",
-    "CheckpointConfig",
-    "DistConfig",
-    "RunConfig",
-    "load_run_config",
-    "run_config_from_dict",
-    "apply_overrides",
+    "ConfigError", "TaskConfig", "LossConfig", "BatchConfig", "ModelConfig", "DataConfig", "TrainConfig",
+    "EvalConfig", "LoggingConfig", "CheckpointConfig", "DistConfig", "RunConfig", "load_run_config",
+    "run_config_from_dict", "apply_overrides",
 ]
-
-
 
 
 _REQUIRED = object()
@@ -99,13 +85,8 @@ class BatchConfig:
     ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk); ``chunk_size: "auto"``
     measures the towers before the engine is built and takes the fastest power of two whose memory
     fits ``memory_budget_gib`` (default: 85% of the free device memory; ``ds_infcl.train.chunk_auto``).
-
-    ``grad_cache``: ``true`` replays every chunk's forward (GradCache), ``false`` runs the plain
-    step (one micro-step), ``"auto"`` the hybrid of ``ds_infcl.train.keep_chunks``: the first
-    ``keep_chunks`` chunks of each step keep the autograd graph of their first forward (no second
-    forward) and only the rest are replayed; without ``keep_chunks`` the number is measured on
-    the first step against the device memory (``memory_budget_gib``, else the free memory less a
-    safety margin), every chunk on CPU."""
+    ``grad_cache: "auto"``: the first ``keep_chunks`` chunks keep their graph, the rest are
+    replayed (``ds_infcl.train.keep_chunks`` measures the number when not given)."""
 
     global_batch_size: int = _REQUIRED  # type: ignore[assignment]
     grad_cache: Union[bool, str] = False  # true, false or "auto" (ds_infcl.train.keep_chunks)
@@ -410,9 +391,7 @@ def _validate_grad_cache(cfg: RunConfig) -> None:
     """``batch.grad_cache`` is true, false or "auto"; ``batch.keep_chunks`` (>= 0) only with "auto"."""
     _allowed("batch.grad_cache", cfg.batch.grad_cache, [True, False, "auto"])
     keep = cfg.batch.keep_chunks
-    if keep is None:
-        return
-    if cfg.batch.grad_cache != "auto":
+    if keep is not None and cfg.batch.grad_cache != "auto":
         raise ConfigError(f"batch.keep_chunks: only used with batch.grad_cache \"auto\" (it is "
                           f"{json.dumps(cfg.batch.grad_cache)}); remove it or set batch.grad_cache to \"auto\"")
     _positive("batch.keep_chunks", keep, zero_ok=True)

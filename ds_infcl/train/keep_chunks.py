@@ -10,7 +10,9 @@ is; only the work and the memory change. K is:
 - ``batch.keep_chunks`` when given (0 = GradCache, the number of chunks = no replay);
 - on CPU without it: every chunk (no device memory to measure; the plain step's work, one
   micro-step per chunk). Set ``batch.keep_chunks`` to bound the host memory;
-- on CUDA without it: measured on the run's first step, which keeps one chunk. That step
+- on CUDA without it: measured on the run's first step, which keeps one chunk (so that step
+  holds one chunk's activations beside pass 2's loss; a run at the edge of memory that fails
+  there runs with ``keep_chunks: 0``, which is GradCache). That step
   reports the bytes the kept chunk held (``StepResult.kept_bytes``: ``memory_allocated`` around
   its forward, plus its inputs), and the step's peak (``max_memory_allocated``, with one chunk
   kept through passes 1-3, so pass 2's loss is in it) bounds every later step's: each more kept
@@ -91,8 +93,9 @@ class KeepChunks:
             log(f"batch.grad_cache auto: {self._split()} (batch.keep_chunks)")
         elif device.type != "cuda":
             self.kept = num_chunks
+            unused = "; batch.memory_budget_gib is not used there" if self.budget_gib else ""
             log(f"batch.grad_cache auto: {self._split()} (on {device.type} there is no device memory to "
-                "measure; set batch.keep_chunks to bound the memory the kept graphs take)")
+                f"measure; set batch.keep_chunks to bound the memory the kept graphs take{unused})")
         else:
             self.kept, self.measuring = min(1, num_chunks), True
             log(f"batch.grad_cache auto: the first step keeps 1 of {num_chunks} chunks to measure its memory; "

@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib", "peak_tflops", "PEAK_TFLOPS",
-    "model_flops_per_sample", "tflops_per_gpu", "hardware_flops_factor", "sum_over_ranks",
+    "model_flops_per_sample", "tflops_per_gpu", "hardware_flops_factor", "utilization", "sum_over_ranks",
 ]
 
 TRAIN_COLUMNS = [
@@ -246,6 +246,17 @@ def hardware_flops_factor(replayed_fraction: float, recompute_fraction: float = 
     factor: the share of the peak the GPU spent on arithmetic, replays included; MFU counts only
     the work the model needs, so it is the one to compare between methods."""
     return (3.0 + replayed_fraction + recompute_fraction) / 3.0
+
+
+def utilization(flops_per_sample: Optional[float], samples_per_s: float, world: int, peak: Optional[float],
+                replayed_fraction: float, recompute_fraction: float = 0.0) -> Dict[str, Optional[float]]:
+    """``model_tflops_per_gpu``, ``mfu`` (over the GPU's ``peak`` TFLOP/s) and ``hfu`` (MFU x
+    ``hardware_flops_factor``) at ``samples_per_s`` over ``world`` GPUs; ``None`` where the FLOPs
+    or the peak are not known."""
+    tflops = tflops_per_gpu(flops_per_sample, samples_per_s, world)
+    mfu = None if tflops is None or not peak else tflops / peak
+    hfu = None if mfu is None else mfu * hardware_flops_factor(replayed_fraction, recompute_fraction)
+    return {"model_tflops_per_gpu": tflops, "mfu": mfu, "hfu": hfu}
 
 
 def sum_over_ranks(mine: Dict[str, int]) -> Dict[str, int]:

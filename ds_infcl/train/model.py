@@ -24,6 +24,8 @@ gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
   kept chunks, ``ds_infcl.train.keep_chunks``): nothing is re-encoded; its backward runs through
   that graph. Returns the surrogate alone.
 
+``Encoder`` (what ``Task.evaluate`` gets) calls the evaluation modes through the engine.
+
 The loss parameters belong to the loss submodule; ``"loss_params"`` and ``"surrogate"`` read them
 from this module's own forward, so they are registered as external parameters and ZeRO-3 gathers
 them there too. A 0-dim parameter is re-registered with shape ``[1]`` (DeepSpeed cannot broadcast
@@ -39,7 +41,7 @@ from torch import nn
 
 from ds_infcl.tasks.base import tree_map
 
-__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
+__all__ = ["ContrastiveModel", "Encoder", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "kept_surrogate",
          "gradients")
@@ -264,3 +266,24 @@ class _GivenGradients(torch.autograd.Function):
         out = tuple((g * grad_out).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
         ctx.grads = None
         return (None, *out)
+
+
+class Encoder:
+    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
+
+    def __init__(self, engine, device: torch.device):
+        self._engine = engine
+        self.device = device
+
+    def _run(self, mode: str, inputs):
+        inputs = tree_map(lambda t: t.to(self.device), inputs)
+        with torch.no_grad():
+            if mode == "encode_query":
+                return self._engine("encode_query", inputs)
+            return self._engine("encode_key", None, inputs)
+
+    def encode_query(self, inputs) -> torch.Tensor:
+        return self._run("encode_query", inputs)
+
+    def encode_key(self, inputs) -> torch.Tensor:
+        return self._run("encode_key", inputs)

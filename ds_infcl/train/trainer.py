@@ -42,11 +42,10 @@ from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distrib
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.export import export_model, save_params
 from ds_infcl.train.metrics import (
-    MetricsLogger, hardware_flops_factor, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks,
-    tflops_per_gpu,
+    MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, utilization,
 )
 from ds_infcl.train.keep_chunks import KeepChunks
-from ds_infcl.train.model import ContrastiveModel, compile_towers
+from ds_infcl.train.model import ContrastiveModel, Encoder, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
 from ds_infcl.train.signals import StopOnSignal, StopRun
@@ -77,34 +76,9 @@ class TrainSummary:
     model_flops_per_sample: Optional[float] = None  # 3 x the towers' forward FLOPs of one example
     model_tflops_per_gpu: Optional[float] = None  # at the run's samples/s
     mfu: Optional[float] = None  # model FLOPs utilization: model_tflops_per_gpu / the GPU's peak
-    # hardware FLOPs utilization: MFU x (3 + replayed_fraction + recompute) / 3, the FLOPs the
-    # GPU ran (GradCache's replayed forwards, activation checkpointing's recompute) / its peak
-    hfu: Optional[float] = None
+    hfu: Optional[float] = None  # hardware FLOPs utilization: replays and recompute counted too (metrics.py)
     kept_chunks: Optional[int] = None  # chunks per step that kept their graph (the last step's)
     replayed_fraction: float = 0.0  # share of the local batch encoded twice (the last step's)
-
-
-class Encoder:
-    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
-
-    def __init__(self, engine, device: torch.device):
-        self._engine = engine
-        self.device = device
-
-    def _run(self, mode: str, inputs):
-        from ds_infcl.tasks.base import tree_map
-
-        inputs = tree_map(lambda t: t.to(self.device), inputs)
-        with torch.no_grad():
-            if mode == "encode_query":
-                return self._engine("encode_query", inputs)
-            return self._engine("encode_key", None, inputs)
-
-    def encode_query(self, inputs) -> torch.Tensor:
-        return self._run("encode_query", inputs)
-
-    def encode_key(self, inputs) -> torch.Tensor:
-        return self._run("encode_key", inputs)
 
 
 def _seed_all(seed: int) -> None:
@@ -383,20 +357,19 @@ class Trainer:
     def _log_step(self, result: StepResult, lr_applied: float, dt: float) -> None:
         batch_size = self.layout.global_batch_size
         ls = self._logit_scale()
-        tflops = tflops_per_gpu(self.flops_per_sample, batch_size / dt, self.world)
-        mfu = None if tflops is None or not self.peak else tflops / self.peak
         self.logger.log_train({
             "step": self.step, "loss": result.loss, "logit_scale": ls, "scale": self._scale_of(ls),
             "lr": lr_applied, "samples_per_s": batch_size / dt, "step_time_s": dt,
             "peak_mem_mib": peak_memory_mib(self.device), "samples": self.samples,
-            "model_tflops_per_gpu": tflops, "mfu": mfu, "hfu": self._hfu(mfu, result),
-            "kept_chunks": result.num_kept, "replayed_fraction": result.replayed_fraction,
+            **self._utilization(batch_size / dt, result),
         })
 
-    def _hfu(self, mfu: Optional[float], result: StepResult) -> Optional[float]:
-        """Hardware FLOPs utilization of a step with model FLOPs utilization ``mfu``."""
-        factor = hardware_flops_factor(result.replayed_fraction, self.recompute_fraction)
-        return None if mfu is None else mfu * factor
+    def _utilization(self, samples_per_s: float, result: StepResult) -> Dict[str, Any]:
+        """Model TFLOP/s per GPU, MFU, HFU (``metrics.utilization``) at ``samples_per_s`` of steps
+        like ``result``'s, and its kept chunks and replayed share."""
+        return {**utilization(self.flops_per_sample, samples_per_s, self.world, self.peak, result.replayed_fraction,
+                              self.recompute_fraction),
+                "kept_chunks": result.num_kept, "replayed_fraction": result.replayed_fraction}
 
     def maybe_eval(self) -> Optional[Dict[str, float]]:
         """The task's evaluation (on every rank) when ``eval.every_steps`` divides the step, or
@@ -469,13 +442,9 @@ class Trainer:
             eval=self.eval_metrics, notes=self.notes, data=data_counts,
         )
         summary.model_flops_per_sample = self.flops_per_sample
-        summary.model_tflops_per_gpu = tflops_per_gpu(self.flops_per_sample, summary.samples_per_s, self.world)
-        if summary.model_tflops_per_gpu is not None and self.peak:
-            summary.mfu = summary.model_tflops_per_gpu / self.peak
-        last = self.last_result
-        if last is not None:  # the steady state: the last step's kept and replayed chunks
-            summary.kept_chunks, summary.replayed_fraction = last.num_kept, last.replayed_fraction
-            summary.hfu = self._hfu(summary.mfu, last)
+        if self.last_result is not None:  # the steady state: the last step's kept and replayed chunks
+            for key, value in self._utilization(summary.samples_per_s, self.last_result).items():
+                setattr(summary, key, value)
         return summary
 
     def close(self) -> None:
