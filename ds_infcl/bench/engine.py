@@ -20,10 +20,16 @@ quadratically. ``--arch tiny`` runs the same pipeline in seconds (CPU smoke test
 
 An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "blocks"``),
 ``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
-(``infcl+compile+auto``); for ``--task bench_decoder`` also ``+liger``, ``+packing``, ``+nogc``
-(no layer checkpointing), ``+gcauto`` (checkpointing only where a forward would not fit) and
-``+chunkN`` (that case's GradCache chunk), so one command gives the "what each change gave" table
-of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any run-config key of every case.
+(``infcl+compile+auto``), ``infcl+gcauto`` (``batch.grad_cache: "auto"``: the chunks whose
+activations fit keep their graph, the rest are replayed; the row's ``kept`` column shows how many
+of the step's chunks were kept, GradCache keeps none); for ``--task bench_decoder`` also ``+liger``,
+``+packing``, ``+nockpt`` (no layer checkpointing), ``+ckptauto`` (layer checkpointing only where a
+forward would not fit) and ``+chunkN`` (that case's GradCache chunk), so one command gives the "what
+each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
+run-config key of every case (``--set batch.grad_cache=auto`` labels the rows ``+gcauto`` too). Each
+row gives MFU (model FLOPs: 3 x the towers' forward) and HFU (hardware FLOPs: GradCache's replayed
+forwards and activation checkpointing's recompute counted too,
+``ds_infcl.train.metrics.hardware_flops_factor``).
 ``openclip_step`` is OpenCLIP's own training step (``ds_infcl.bench.openclip_step``: ``amp_bf16``,
 TF32 allowed, AdamW fused, DDP and ``ClipLoss`` with ``local_loss`` + ``gather_with_grad``) in each
 of ``--openclip-modes``: ``eager``, ``compile`` (its ``--torchcompile``), each optionally ``+gc``
@@ -56,6 +62,7 @@ from ds_infcl.bench.openclip_step import ARCHS as OPENCLIP_ARCHS
 from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE, mode_name
 from ds_infcl.train.config import apply_overrides
 from ds_infcl.train.dist import free_port
+from ds_infcl.train.metrics import hardware_flops_factor
 
 __all__ = ["main"]
 
@@ -84,20 +91,30 @@ def _tokens_per_sample(args) -> Optional[float]:
 
 
 # ``+option`` of an impl: run-config overrides (the decoder ones are bench_decoder's task arguments)
-IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto",
+IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
                 "liger": "task.args.liger=true", "packing": "task.args.packing=true",
-                "nogc": "task.args.gradient_checkpointing=false", "gcauto": "task.args.gradient_checkpointing=auto"}
+                "nockpt": "task.args.gradient_checkpointing=false",
+                "ckptauto": "task.args.gradient_checkpointing=auto"}
 
 
 def parse_impl(spec: str):
     """``"infcl+compile+auto"`` -> ``("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])``;
-    ``chunkN`` sets the GradCache chunk of that case to ``N`` (``infcl+nogc+chunk16``)."""
+    ``chunkN`` sets the GradCache chunk of that case to ``N`` (``infcl+nockpt+chunk16``)."""
     loss, *options = spec.split("+")
     unknown = [o for o in options if o not in IMPL_OPTIONS and not (o.startswith("chunk") and o[5:].isdigit())]
     if not loss or unknown:
         raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)} "
                          "or chunkN")
     return loss, [IMPL_OPTIONS[o] if o in IMPL_OPTIONS else f"batch.chunk_size={int(o[5:])}" for o in options]
+
+
+def impl_label(impl: str, run: Dict) -> str:
+    """The row's name of ``impl``: the spec, plus ``+gcauto`` when ``--set`` made the case's
+    ``batch.grad_cache`` "auto" (or ``+plain`` when it turned GradCache off)."""
+    grad_cache = run["batch"].get("grad_cache")
+    if grad_cache == "auto" and "gcauto" not in impl.split("+"):
+        return impl + "+gcauto"
+    return impl + "+plain" if grad_cache is False else impl
 
 
 def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
@@ -164,7 +181,7 @@ def _case_row(status: str, wall: float, **case) -> Dict:
     """A table row: the ``case``'s columns, then ``status``, the measured columns left empty (a case
     that ran fills them from its summary) and the wall time."""
     return {**case, "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "",
-            "peak_mem_gib": "", "wall_s": round(wall, 1)}
+            "peak_mem_gib": "", "kept": "", "wall_s": round(wall, 1)}
 
 
 def _summary(out: str) -> Dict:
@@ -199,7 +216,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     status, wall, text = _launch(cmd, log_path, args.case_timeout)
     if status == "failed":
         print(f"[bench] {tag} failed; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-30:]), flush=True)
-    row = _case_row(status, wall, impl=impl, global_batch=global_batch, gpus=args.num_gpus,
+    row = _case_row(status, wall, impl=impl_label(impl, run), global_batch=global_batch, gpus=args.num_gpus,
                     chunk=run["batch"]["chunk_size"], steps=steps)
     if status == "ok":
         s = _summary(out)
@@ -211,11 +228,16 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
         row["peak_mem_gib"] = round(s["peak_mem_mib"] / 1024, 2)
         if s.get("mfu") is not None:
             row["mfu"] = round(s["mfu"], 4)
+        if s.get("hfu") is not None:
+            row["hfu"] = round(s["hfu"], 4)
+        if s.get("kept_chunks") is not None:  # of the step's chunks (per GPU), the last step's
+            row["kept"] = f"{s['kept_chunks']}/{s['num_chunks']}"
         tokens = _tokens_per_sample(args)
         if tokens and s["samples_per_s"]:
             row["tokens_per_s"] = round(s["samples_per_s"] * tokens)
-    print(f"[bench] {impl:8s} B={global_batch:>8d} {status:8s} sps={row['samples_per_s']} "
-          f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} "
+    print(f"[bench] {row['impl']:8s} B={global_batch:>8d} {status:8s} sps={row['samples_per_s']} "
+          f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} hfu={row.get('hfu', '-')} "
+          f"kept={row['kept'] or '-'} "
           f"peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
     return row
 
@@ -254,6 +276,9 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
         row["peak_mem_gib"] = round(s["peak_mem_gib"], 2)
         if s.get("mfu") is not None:
             row["mfu"] = round(s["mfu"], 4)
+            # its accum_freq path encodes every micro-batch twice (no grad, then with grad), its
+            # grad checkpointing recomputes each block's forward
+            row["hfu"] = round(s["mfu"] * hardware_flops_factor(1.0 if accum_freq > 1 else 0.0, 1.0 if gc else 0.0), 4)
     print(f"[bench] {row['impl']} batch/GPU={batch_per_gpu} {status} sps/GPU={row['samples_per_s_per_gpu']} "
           f"mfu={row.get('mfu', '-')} peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
     return row
@@ -332,7 +357,7 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
     """Write ``results.csv`` and ``results.md`` (rewritten after every case, so that a run cut short
     keeps its finished rows) and return the markdown lines."""
     fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "samples_per_s_per_gpu",
-              "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib", "wall_s"]
+              "tokens_per_s", "mfu", "hfu", "kept", "step_time_s", "peak_mem_gib", "wall_s"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -342,14 +367,16 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
         f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
         f"GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-        "| impl | GPUs | global batch | chunk | status | samples/s per GPU | MFU | step time (s) | peak memory / GPU (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| impl | GPUs | global batch | chunk | kept | status | samples/s per GPU | MFU | HFU | step time (s) | "
+        "peak memory / GPU (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["phase"] in ("throughput", "openclip"):
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") not in (None, "") else ""
-            lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r['status']} | "
-                         f"{r['samples_per_s_per_gpu']} | {mfu} | {r['step_time_s']} | {r['peak_mem_gib']} |")
+            mfu, hfu = (f"{100 * r[k]:.1f}%" if r.get(k) not in (None, "") else "" for k in ("mfu", "hfu"))
+            lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r.get('kept', '')} | "
+                         f"{r['status']} | {r['samples_per_s_per_gpu']} | {mfu} | {hfu} | {r['step_time_s']} | "
+                         f"{r['peak_mem_gib']} |")
     if any(r["phase"] == "openclip" for r in rows):
         lines += ["", "Ours beside OpenCLIP's fastest configuration at the same global batch:", ""] + best_openclip_lines(rows)
     if largest:
@@ -367,7 +394,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_infcl.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--num-gpus", type=int, default=1)
     p.add_argument("--impls", nargs="+", default=["local", "infcl"],
-                   help="loss impls, each optionally +compile and/or +auto (e.g. infcl+compile+auto), and openclip_step")
+                   help="loss impls, each optionally +compile, +auto (chunk_size auto) and/or +gcauto (grad_cache auto), "
+                   "e.g. infcl+compile+gcauto, and openclip_step")
     p.add_argument("--arch", default="vit-b-16", choices=["vit-b-16", "vit-l-14", "tiny"],
                    help="bench_clip towers (tiny: CPU smoke test); openclip_step runs the same OpenCLIP model")
     p.add_argument("--task", default="bench_clip", choices=["bench_clip", "bench_decoder"],
@@ -429,16 +457,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     largest: Dict[str, str] = {}
     if not args.no_search:
         for impl in ours:
-            B, best, why = args.search_start, None, "cap"
+            B, best, why, label = args.search_start, None, "cap", impl
             while B <= args.search_max:
                 row = dict(_run_case(args, impl, B, 1, f"{impl}_max_{B}"), phase="search")
                 rows.append(row)
+                label = row["impl"]  # with what --set adds (impl_label)
                 if row["status"] != "ok":
                     why = row["status"]
                     break
                 best = B
                 B *= 2
-            largest[impl] = "none" if best is None else (f"{best}" if why == "oom" else f">= {best} ({why})")
+            largest[label] = "none" if best is None else (f"{best}" if why == "oom" else f">= {best} ({why})")
 
     lines = _write_results(args, gpu, rows, largest)
     print("\n".join(lines))

@@ -21,7 +21,8 @@ retrieval, the synthetic task of ``ds_infcl.tasks.synthetic``). The trainer know
   trained towers without gradients.
 - ``Task`` gives defaults the engine calls unconditionally: ``evaluate`` (no metrics),
   ``state_dict`` / ``load_state_dict``, ``data_report``, ``model_flops_per_sample`` (``None``: the
-  engine counts them), ``save_pretrained`` with ``can_export`` (no export), ``sample_index_bound``.
+  engine counts them), ``recomputed_forward_fraction`` (0: no activation checkpointing),
+  ``save_pretrained`` with ``can_export`` (no export), ``sample_index_bound``.
   Tasks subclass it; ``get_task`` wraps an object that only has the methods (``as_task``).
 
 Register a task with ``@register_task("name")`` on a factory ``factory(**args) -> Task``; the run
@@ -201,6 +202,12 @@ class Task:
         """Training FLOPs of one example, or ``None``: the engine counts them on the first batch."""
         return None
 
+    def recomputed_forward_fraction(self) -> float:
+        """The share of the towers' forward FLOPs that the backward runs again (activation
+        checkpointing: about 1.0 when every block is recomputed); 0 by default. Counted in the
+        hardware FLOPs utilization (``hfu``), not in the model FLOPs."""
+        return 0.0
+
     def can_export(self) -> bool:
         """Whether ``save_pretrained`` writes a model folder (a subclass that overrides it does)."""
         return type(self).save_pretrained is not Task.save_pretrained
@@ -224,7 +231,7 @@ class _DuckTask(Task):
 
     _FORWARDED = ("build_towers", "batches", "loss_defaults", "build_loss", "check_loss", "sample_index_bound",
                   "evaluate", "state_dict", "load_state_dict", "data_report", "model_flops_per_sample",
-                  "save_pretrained")
+                  "recomputed_forward_fraction", "save_pretrained")
 
     def __init__(self, task: Any):
         self.task = task

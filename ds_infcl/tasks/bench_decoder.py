@@ -192,6 +192,12 @@ class BenchDecoderTask(Task):
         """Real tokens one example puts through the model (its query and its documents), expected."""
         return (self.seq_len + self.min_seq_len) / 2 * (2 + self.num_negatives)
 
+    def recomputed_forward_fraction(self) -> float:
+        """Layer checkpointing recomputes every decoder layer's forward in the backward (the
+        embeddings and the final norm, a small share of the FLOPs, are not). With ``"auto"`` the
+        choice is made per forward, so HFU counts no recompute there (a lower bound)."""
+        return 1.0 if self.gradient_checkpointing is True else 0.0
+
     def batches(self, *, rank, world_size, local_batch_size, start_step, seed) -> Iterator[Batch]:
         kpq = 1 + self.num_negatives
         step = start_step

@@ -436,6 +436,10 @@ class RetrievalTask(Task):
                 )
             epoch += 1
 
+    def recomputed_forward_fraction(self) -> float:
+        """``gradient_checkpointing`` recomputes every encoder layer's forward in the backward."""
+        return 1.0 if self.encoder_args["gradient_checkpointing"] else 0.0
+
     def data_report(self) -> Dict[str, int]:
         """This rank's share of the data counts of the run (the engine sums them over ranks): the
         sampler's counts are the same on every rank, so rank 0 reports them."""

@@ -83,7 +83,7 @@ def _check(cfg, ds_config, args) -> int:
 
 
 def _print_done(summary) -> None:
-    """Rank 0's last line: steps, loss, scale, speed (and model TFLOP/s, MFU), memory, time, eval."""
+    """Rank 0's last line: steps, loss, scale, speed (and model TFLOP/s, MFU, HFU), memory, time, eval."""
     from ds_infcl.train.metrics import format_metrics
 
     ev = format_metrics(summary.eval)
@@ -92,7 +92,8 @@ def _print_done(summary) -> None:
         f"{summary.final_scale:.2f} (logit_scale {summary.final_logit_scale:.3f}), "
         f"{summary.samples_per_s:.1f} samples/s"
         + (f" ({summary.model_tflops_per_gpu:.1f} model TFLOP/s per GPU"
-           + (f", MFU {100 * summary.mfu:.1f}%" if summary.mfu is not None else "") + ")"
+           + (f", MFU {100 * summary.mfu:.1f}%" if summary.mfu is not None else "")
+           + (f", HFU {100 * summary.hfu:.1f}%" if summary.hfu is not None else "") + ")"
            if summary.model_tflops_per_gpu is not None else "")
         + ", peak mem "
         f"{summary.peak_mem_mib:.0f} MiB, {summary.wall_s:.1f} s" + (f", {ev}" if ev else ""),

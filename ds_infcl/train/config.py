@@ -32,24 +32,10 @@ from typing import Any, Dict, List, Optional, Union
 from ds_infcl.errors import ConfigError  # re-exported: its home before ds_infcl.errors
 
 __all__ = [
-    "ConfigError",
-    "TaskConfig",
-    "LossConfig",
-    "BatchConfig",
-    "ModelConfig",
-    "DataConfig",
-    "TrainConfig",
-    "EvalConfig",
-    "LoggingConfig",
-    "CheckpointConfig",
-    "DistConfig",
-    "RunConfig",
-    "load_run_config",
-    "run_config_from_dict",
-    "apply_overrides",
+    "ConfigError", "TaskConfig", "LossConfig", "BatchConfig", "ModelConfig", "DataConfig", "TrainConfig",
+    "EvalConfig", "LoggingConfig", "CheckpointConfig", "DistConfig", "RunConfig", "load_run_config",
+    "run_config_from_dict", "apply_overrides",
 ]
-
-
 
 
 _REQUIRED = object()
@@ -96,15 +82,18 @@ summed as sentence-transformers' ``MatryoshkaLoss``."""
 class BatchConfig:
     """``batch``: the global batch of one optimizer step (all ranks together; the contrastive loss
     sees all of it) and its GradCache chunking. With ``grad_cache`` the local batch is encoded
-    ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk); ``"auto"`` measures
-    the towers before the engine is built and takes the fastest power of two whose memory fits
-    ``memory_budget_gib`` (default: 85% of the free device memory; ``ds_infcl.train.chunk_auto``)."""
+    ``chunk_size`` examples at a time (one DeepSpeed micro-step per chunk); ``chunk_size: "auto"``
+    measures the towers before the engine is built and takes the fastest power of two whose memory
+    fits ``memory_budget_gib`` (default: 85% of the free device memory; ``ds_infcl.train.chunk_auto``).
+    ``grad_cache: "auto"``: the first ``keep_chunks`` chunks keep their graph, the rest are
+    replayed (``ds_infcl.train.keep_chunks`` measures the number when not given)."""
 
     global_batch_size: int = _REQUIRED  # type: ignore[assignment]
-    grad_cache: bool = False
+    grad_cache: Union[bool, str] = False  # true, false or "auto" (ds_infcl.train.keep_chunks)
+    keep_chunks: Optional[int] = None  # grad_cache "auto": chunks per step that keep their graph
     chunk_size: Optional[Union[int, str]] = None  # an integer, or "auto" (ds_infcl.train.chunk_auto)
     verify_replay: bool = False
-    memory_budget_gib: Optional[float] = None  # chunk_size "auto": device memory a run may use
+    memory_budget_gib: Optional[float] = None  # chunk_size / grad_cache "auto": device memory a run may use
     # ZeRO-3 + GradCache: gather every parameter once per step, chunks outside ZeRO-3's hooks
     # ("auto": where it fits a quarter of the device; ds_infcl.train.zero3_gather)
     gather_params: Union[bool, str] = "auto"
@@ -367,10 +356,11 @@ def _validate(cfg: RunConfig) -> None:
             raise ConfigError(f"batch.chunk_size: {cfg.batch.chunk_size!r} is not allowed; give an integer >= 1 or \"auto\"")
     else:
         _positive("batch.chunk_size", cfg.batch.chunk_size)
+    _validate_grad_cache(cfg)
     if cfg.batch.memory_budget_gib is not None:
-        if cfg.batch.chunk_size != "auto":
-            raise ConfigError("batch.memory_budget_gib: only used with batch.chunk_size \"auto\"; remove it or "
-                              "set batch.chunk_size to \"auto\"")
+        if cfg.batch.chunk_size != "auto" and cfg.batch.grad_cache != "auto":
+            raise ConfigError("batch.memory_budget_gib: only used with batch.chunk_size \"auto\" or batch.grad_cache "
+                              "\"auto\"; remove it or set one of them to \"auto\"")
         if not cfg.batch.memory_budget_gib > 0:
             raise ConfigError(f"batch.memory_budget_gib: must be > 0, got {cfg.batch.memory_budget_gib}")
     _allowed("model.compile", cfg.model.compile, (False, True, "blocks"))
@@ -383,7 +373,7 @@ def _validate(cfg: RunConfig) -> None:
             "torch 2.11). Use 'default' or 'max-autotune-no-cudagraphs'")
     _allowed("model.compile_mode", cfg.model.compile_mode, ("default", "max-autotune-no-cudagraphs"))
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:
-        raise ConfigError("batch.chunk_size: required when batch.grad_cache is true")
+        raise ConfigError(f"batch.chunk_size: required when batch.grad_cache is {json.dumps(cfg.batch.grad_cache)}")
     if not cfg.batch.grad_cache and cfg.batch.chunk_size is not None:
         raise ConfigError(
             "batch.chunk_size: only used with GradCache; set batch.grad_cache to true or remove it"
@@ -402,6 +392,15 @@ def _validate(cfg: RunConfig) -> None:
     if not cfg.output_dir:
         raise ConfigError("output_dir: must be a non-empty path")
 
+
+def _validate_grad_cache(cfg: RunConfig) -> None:
+    """``batch.grad_cache`` is true, false or "auto"; ``batch.keep_chunks`` (>= 0) only with "auto"."""
+    _allowed("batch.grad_cache", cfg.batch.grad_cache, [True, False, "auto"])
+    keep = cfg.batch.keep_chunks
+    if keep is not None and cfg.batch.grad_cache != "auto":
+        raise ConfigError(f"batch.keep_chunks: only used with batch.grad_cache \"auto\" (it is "
+                          f"{json.dumps(cfg.batch.grad_cache)}); remove it or set batch.grad_cache to \"auto\"")
+    _positive("batch.keep_chunks", keep, zero_ok=True)
 
 
 def _validate_loss(cfg: RunConfig) -> None:

@@ -142,6 +142,12 @@ def resolve_deepspeed_config(
                 f"(batch.global_batch_size {B} / {world_size} ranks)"
             )
         micro, gas = chunk, local // chunk
+        keep = cfg.batch.keep_chunks
+        if keep is not None and keep > gas and cfg.batch.chunk_size != "auto":
+            raise ConfigError(
+                f"batch.keep_chunks: {keep} exceeds the {gas} chunks of a step (local batch {local} / "
+                f"batch.chunk_size {chunk}); give at most {gas} ({gas} keeps every chunk: no replay)"
+            )
     else:
         micro, gas = local, 1
     want = {

@@ -26,12 +26,12 @@ import torch
 
 __all__ = [
     "TRAIN_COLUMNS", "MetricsLogger", "format_metrics", "peak_memory_mib", "peak_tflops", "PEAK_TFLOPS",
-    "model_flops_per_sample", "tflops_per_gpu", "sum_over_ranks",
+    "model_flops_per_sample", "tflops_per_gpu", "hardware_flops_factor", "utilization", "sum_over_ranks",
 ]
 
 TRAIN_COLUMNS = [
     "step", "loss", "logit_scale", "scale", "lr", "samples_per_s", "step_time_s", "peak_mem_mib", "samples",
-    "model_tflops_per_gpu", "mfu",
+    "model_tflops_per_gpu", "mfu", "hfu", "kept_chunks", "replayed_fraction",
 ]
 
 # Dense bf16 / fp16 tensor-core peak per GPU in TFLOP/s (vendor data sheets, without sparsity).
@@ -156,6 +156,8 @@ class MetricsLogger:
                         sps=f"{row.get('samples_per_s', 0):.0f}")
             if row.get("mfu") is not None:
                 post["mfu"] = f"{100 * row['mfu']:.1f}%"
+            if row.get("hfu") is not None:
+                post["hfu"] = f"{100 * row['hfu']:.1f}%"
             self._bar.set_postfix(refresh=False, **post)
 
     def advance(self, n: int = 1) -> None:
@@ -231,6 +233,30 @@ def tflops_per_gpu(flops_per_sample: Optional[float], samples_per_s: float, worl
     if not flops_per_sample or not math.isfinite(samples_per_s):
         return None
     return flops_per_sample * samples_per_s / world / 1e12
+
+
+def hardware_flops_factor(replayed_fraction: float, recompute_fraction: float = 0.0) -> float:
+    """Hardware FLOPs over model FLOPs of a training step: ``(3 + r + c) / 3``.
+
+    Model FLOPs count a forward (1) and a backward of twice its cost (2) per example. The GPU
+    also runs GradCache's first forward of every replayed chunk, ``r`` = the replayed share of the
+    local batch (1 for ``grad_cache: true``, 0 for the plain step, ``(n - K) / n`` for the hybrid
+    of ``grad_cache: "auto"``), and activation checkpointing's recompute in the backward, ``c`` =
+    the recomputed share of a forward (``Task.recomputed_forward_fraction``). HFU = MFU x this
+    factor: the share of the peak the GPU spent on arithmetic, replays included; MFU counts only
+    the work the model needs, so it is the one to compare between methods."""
+    return (3.0 + replayed_fraction + recompute_fraction) / 3.0
+
+
+def utilization(flops_per_sample: Optional[float], samples_per_s: float, world: int, peak: Optional[float],
+                replayed_fraction: float, recompute_fraction: float = 0.0) -> Dict[str, Optional[float]]:
+    """``model_tflops_per_gpu``, ``mfu`` (over the GPU's ``peak`` TFLOP/s) and ``hfu`` (MFU x
+    ``hardware_flops_factor``) at ``samples_per_s`` over ``world`` GPUs; ``None`` where the FLOPs
+    or the peak are not known."""
+    tflops = tflops_per_gpu(flops_per_sample, samples_per_s, world)
+    mfu = None if tflops is None or not peak else tflops / peak
+    hfu = None if mfu is None else mfu * hardware_flops_factor(replayed_fraction, recompute_fraction)
+    return {"model_tflops_per_gpu": tflops, "mfu": mfu, "hfu": hfu}
 
 
 def sum_over_ranks(mine: Dict[str, int]) -> Dict[str, int]:

@@ -19,6 +19,12 @@ gathers and releases parameters as usual. ``forward`` is steered by ``mode``:
   ``(sum(q * dL/dq) + sum(k * dL/dk) + sum_p p * dL/dp, q, k)`` over the loss parameters ``p``: the
   gradient of the first with respect to every parameter is that chunk's share of the exact
   gradient (GradCache's second pass); the detached features let the caller verify the RNG replay.
+- ``"kept_surrogate"``: the same surrogate for a chunk whose features ``query_inputs`` and
+  ``key_inputs`` still carry the autograd graph of their first forward (``grad_cache: "auto"``'s
+  kept chunks, ``ds_infcl.train.keep_chunks``): nothing is re-encoded; its backward runs through
+  that graph. Returns the surrogate alone.
+
+``Encoder`` (what ``Task.evaluate`` gets) calls the evaluation modes through the engine.
 
 The loss parameters belong to the loss submodule; ``"loss_params"`` and ``"surrogate"`` read them
 from this module's own forward, so they are registered as external parameters and ZeRO-3 gathers
@@ -35,9 +41,10 @@ from torch import nn
 
 from ds_infcl.tasks.base import tree_map
 
-__all__ = ["ContrastiveModel", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
+__all__ = ["ContrastiveModel", "Encoder", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
 
-MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "gradients")
+MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "kept_surrogate",
+         "gradients")
 
 
 def loss_param_names(loss_module: nn.Module) -> Tuple[str, ...]:
@@ -223,10 +230,9 @@ class ContrastiveModel(nn.Module):
         if mode == "surrogate":
             q = self.encode_query(query_inputs)
             k = self.encode_key(key_inputs)
-            out = (q.float() * query_grad).sum() + (k.float() * key_grad).sum()
-            for name, grad in zip(self.loss_param_names, param_grads or ()):
-                out = out + (getattr(self.loss, name).float() * grad).sum()
-            return out, q.detach(), k.detach()
+            return self._surrogate(q, k, query_grad, key_grad, param_grads), q.detach(), k.detach()
+        if mode == "kept_surrogate":
+            return self._surrogate(query_inputs, key_inputs, query_grad, key_grad, param_grads)
         if mode == "gradients":
             params = [p for p in self.parameters() if p.requires_grad]
             if len(param_grads) != len(params):
@@ -236,6 +242,14 @@ class ContrastiveModel(nn.Module):
                 raise ValueError("gradients: no gradient given")
             return _GivenGradients.apply([g for _, g in pairs], *[p for p, _ in pairs])
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+
+    def _surrogate(self, q, k, query_grad, key_grad, param_grads):
+        """``sum(q * dL/dq) + sum(k * dL/dk) + sum_p p * dL/dp`` over the loss parameters ``p``
+        (float32 products: the cached gradients are float32)."""
+        out = (q.float() * query_grad).sum() + (k.float() * key_grad).sum()
+        for name, grad in zip(self.loss_param_names, param_grads or ()):
+            out = out + (getattr(self.loss, name).float() * grad).sum()
+        return out
 
 
 class _GivenGradients(torch.autograd.Function):
@@ -252,3 +266,24 @@ class _GivenGradients(torch.autograd.Function):
         out = tuple((g * grad_out).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes))
         ctx.grads = None
         return (None, *out)
+
+
+class Encoder:
+    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
+
+    def __init__(self, engine, device: torch.device):
+        self._engine = engine
+        self.device = device
+
+    def _run(self, mode: str, inputs):
+        inputs = tree_map(lambda t: t.to(self.device), inputs)
+        with torch.no_grad():
+            if mode == "encode_query":
+                return self._engine("encode_query", inputs)
+            return self._engine("encode_key", None, inputs)
+
+    def encode_query(self, inputs) -> torch.Tensor:
+        return self._run("encode_query", inputs)
+
+    def encode_key(self, inputs) -> torch.Tensor:
+        return self._run("encode_key", inputs)

@@ -22,6 +22,18 @@ the global loss, ``engine.backward(loss)``, ``engine.step()``.
    loss parameters' gradients are counted once per step, while every micro-step still gives every parameter
    a gradient (ZeRO sees one backward per micro-step and the same set of gradients each time).
 
+**The hybrid** (``grad_cache: "auto"``, ``num_kept`` = K of ``ds_infcl.train.keep_chunks``): in
+pass 1 the first K chunks are encoded *with* gradients and their features keep the autograd graph
+(their detached copies join the cached features); the other chunks are encoded without, as above.
+Pass 2 is unchanged. Pass 3 takes the chunks in the same order: for a kept chunk the same
+surrogate is formed from its kept features (model mode ``"kept_surrogate"``) and back-propagated
+through the kept graph, as one micro-step, with no second forward; the others are replayed. The
+micro-steps, their order and every value are those of GradCache: a kept chunk's first forward
+starts from the RNG state GradCache saves for it and draws the same dropout masks its replay
+would, and the RNG ends where pass 1 left it either way. K = 0 is GradCache; K = the number of
+chunks replays none (the plain step's work, still one micro-step per chunk). The kept graphs hold
+their activations from pass 1 until their micro-step in pass 3, alongside pass 2's loss.
+
 **Copies on a side stream** (``copy_stream``, the run config's ``data.copy_stream``): on CUDA,
 passes 1 and 3 take their chunks from a ``ChunkFeed``, which copies chunk ``i + 1`` from pinned
 host memory on a dedicated copy stream while chunk ``i``'s kernels run on the current stream, so
@@ -55,8 +67,21 @@ __all__ = [
 
 @dataclass
 class StepResult:
+    """What a step did: its loss, the DeepSpeed micro-steps it ran, the chunks of the local batch
+    and how many kept the graph of their first forward (``grad_cache: "auto"``; the plain step's
+    one chunk counts as kept, GradCache keeps none), and on CUDA the bytes the first kept chunk
+    held (``ds_infcl.train.keep_chunks`` sizes the hybrid with it)."""
+
     loss: float
     num_micro_steps: int
+    num_chunks: int = 1
+    num_kept: int = 1
+    kept_bytes: Optional[int] = None
+
+    @property
+    def replayed_fraction(self) -> float:
+        """Share of the local batch whose forward ran a second time (GradCache's replay)."""
+        return (self.num_chunks - self.num_kept) / self.num_chunks
 
 
 def get_rng_state(device: torch.device):
@@ -219,6 +244,7 @@ def grad_cache_step(
     verify_replay: bool = False,
     gather_params: bool = False,
     copy_stream: bool = True,
+    num_kept: int = 0,
 ) -> StepResult:
     """One GradCache step: ``ceil(len(batch) / chunk_size)`` micro-steps (see module docstring).
 
@@ -236,6 +262,11 @@ def grad_cache_step(
         copy_stream: on CUDA, copy the next chunk on a side stream while the current one is
             encoded (``ChunkFeed``; ``data.copy_stream``); false copies each chunk on the current
             stream right before its forward. No effect on CPU.
+        num_kept: the hybrid of ``grad_cache: "auto"`` (``ds_infcl.train.keep_chunks``): the
+            first ``num_kept`` chunks are encoded with gradients in pass 1 and keep their graph,
+            which pass 3 back-propagates without a second forward; 0 is GradCache, the number of
+            chunks replays none. Every rank must pass the same number (the ZeRO-3 path's
+            collectives follow the order of forwards and backwards).
     """
     chunks = batch.chunks(chunk_size)
     gas = engine.gradient_accumulation_steps()
@@ -244,28 +275,32 @@ def grad_cache_step(
             f"GradCache: {len(chunks)} chunks but gradient_accumulation_steps is {gas}; the DeepSpeed "
             "config must be resolved with resolve_deepspeed_config"
         )
+    if not 0 <= num_kept <= len(chunks):
+        raise ValueError(f"GradCache: num_kept must be in [0, {len(chunks)}] (the chunks of the step), got {num_kept}")
     if gather_params:
-        return _grad_cache_gathered(engine, batch, chunks, device, verify_replay, copy_stream)
+        return _grad_cache_gathered(engine, batch, chunks, device, verify_replay, copy_stream, num_kept)
 
-    # Passes 1 and 2: features chunk by chunk without gradients; the loss and its gradients once.
-    cache = _passes_1_and_2(engine, engine, batch, chunks, device, copy_stream)
-    # Pass 3: one DeepSpeed micro-step per chunk.
-    for i, chunk in enumerate(ChunkFeed(chunks, device, copy_stream)):
+    # Passes 1 and 2: features chunk by chunk (the first num_kept with their graphs); the loss
+    # and its gradients once.
+    cache = _passes_1_and_2(engine, engine, batch, chunks, device, copy_stream, num_kept)
+    # Pass 3: one DeepSpeed micro-step per chunk, kept or replayed.
+    for i, surrogate in enumerate(_surrogates(cache, engine, chunks, device, copy_stream, verify_replay)):
         if i == len(chunks) - 1 and not engine.is_gradient_accumulation_boundary():
             raise RuntimeError("GradCache: the last chunk is not at DeepSpeed's accumulation boundary")
-        surrogate = cache.replay(engine, chunk, i, len(chunks), device, verify_replay)
-        del chunk
         engine.backward(surrogate, scale_wrt_gas=False)
+        del surrogate
         engine.step()
     set_rng_state(cache.rng_after, device)
-    return StepResult(float(cache.loss), len(chunks))
+    return StepResult(float(cache.loss), len(chunks), len(chunks), num_kept, cache.kept_bytes)
 
 
 @dataclass
 class _Cache:
     """What passes 1 and 2 leave for pass 3: the RNG state before each chunk and after the last,
     the features, the loss, its gradients for the features and the loss parameters (``zero_p``:
-    zeros of the latter, for every chunk but the last), and each chunk's first query."""
+    zeros of the latter, for every chunk but the last), each chunk's first query, the kept
+    chunks' features with their graphs (``None`` once handed to pass 3) and the device bytes the
+    first kept chunk held (CUDA only)."""
 
     rng_states: List[Tuple]
     rng_after: Tuple
@@ -278,6 +313,15 @@ class _Cache:
     zero_p: Tuple[torch.Tensor, ...]
     starts: List[int]
     keys_per_query: int
+    kept: List[Optional[Tuple[torch.Tensor, torch.Tensor]]]
+    kept_bytes: Optional[int]
+
+    def gradients(self, i: int, n: int, num_chunks: int):
+        """The cached gradients of chunk ``i`` (``n`` queries) of ``num_chunks``: its features'
+        and the loss parameters' (``dL/dp`` in the last chunk, zeros in the others)."""
+        start, kpq = self.starts[i], self.keys_per_query
+        return (self.grad_q[start : start + n], self.grad_k[start * kpq : (start + n) * kpq],
+                self.grad_p if i == num_chunks - 1 else self.zero_p)
 
     def replay(self, call, chunk: Batch, i: int, num_chunks: int, device: torch.device,
                verify_replay: bool) -> torch.Tensor:
@@ -286,30 +330,83 @@ class _Cache:
         gathered parameters) and return its surrogate (see the module docstring)."""
         n, start, kpq = len(chunk), self.starts[i], self.keys_per_query
         set_rng_state(self.rng_states[i], device)
-        surrogate, q, k = call(
-            "surrogate", chunk.query_inputs, chunk.key_inputs, None,
-            self.grad_q[start : start + n], self.grad_k[start * kpq : (start + n) * kpq],
-            self.grad_p if i == num_chunks - 1 else self.zero_p,
-        )
+        surrogate, q, k = call("surrogate", chunk.query_inputs, chunk.key_inputs, None, *self.gradients(i, n, num_chunks))
         if verify_replay:
             _check_replay(i, q, self.query[start : start + n], k, self.key[start * kpq : (start + n) * kpq])
         return surrogate
 
+    def kept_surrogate(self, call, i: int, num_chunks: int) -> torch.Tensor:
+        """The surrogate of kept chunk ``i`` through the graph of its first forward (no forward)."""
+        q, k = self.kept[i]
+        self.kept[i] = None  # the backward of the surrogate frees the graph; nothing else holds it
+        return call("kept_surrogate", q, k, None, *self.gradients(i, len(q), num_chunks))
 
-def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device, copy_stream: bool) -> _Cache:
-    """Pass 1: every chunk's features without gradients (``call`` is the engine, or the bare
-    module under gathered parameters), the chunks fed by a ``ChunkFeed`` (one chunk on the device,
-    the next one on its way). Pass 2: the global loss and its gradients for the features and the
-    loss parameters, once."""
+
+def _surrogates(cache: _Cache, call, chunks, device: torch.device, copy_stream: bool,
+                verify_replay: bool) -> Iterator[torch.Tensor]:
+    """Pass 3's surrogates in chunk order: the kept chunks' (the first ones) through their graphs,
+    then the other chunks re-encoded under their saved RNG states, fed by a ``ChunkFeed``. The
+    caller back-propagates each before asking for the next (one graph alive at a time beyond
+    the kept ones not yet reached)."""
+    num_kept = len(cache.kept)
+    for i in range(num_kept):
+        with torch.enable_grad():
+            surrogate = cache.kept_surrogate(call, i, len(chunks))
+        yield surrogate
+        del surrogate
+    for j, chunk in enumerate(ChunkFeed(chunks[num_kept:], device, copy_stream)):
+        with torch.enable_grad():
+            surrogate = cache.replay(call, chunk, num_kept + j, len(chunks), device, verify_replay)
+        del chunk
+        yield surrogate
+        del surrogate
+
+
+def _input_bytes(chunk: Batch) -> int:
+    total = [0]
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    chunk.map(add)
+    return total[0]
+
+
+def _pass_1(call, chunks, device: torch.device, copy_stream: bool, num_kept: int):
+    """Every chunk's features (``call``: the engine, or the bare module under gathered
+    parameters), fed by a ``ChunkFeed`` (one chunk on the device, the next one on its way), the
+    RNG state before each: the first ``num_kept`` chunks with gradients, their features kept with
+    their graphs, the others without. On CUDA, the bytes the first kept chunk's graph, features
+    and inputs hold (``memory_allocated`` around its forward, plus its inputs)."""
     rng_states: List[Tuple] = []
-    q_parts, k_parts = [], []
+    q_parts, k_parts, kept = [], [], []
+    kept_bytes = None
+    for i, dev in enumerate(ChunkFeed(chunks, device, copy_stream)):
+        rng_states.append(get_rng_state(device))
+        if i < num_kept:
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+            with torch.enable_grad():
+                q, k = call("encode", dev.query_inputs, dev.key_inputs)
+            if before is not None and i == 0:
+                kept_bytes = torch.cuda.memory_allocated(device) - before + _input_bytes(dev)
+            kept.append((q, k))
+            q, k = q.detach(), k.detach()
+        else:
+            with torch.no_grad():
+                q, k = call("encode", dev.query_inputs, dev.key_inputs)
+        del dev
+        q_parts.append(q)
+        k_parts.append(k)
+    return rng_states, q_parts, k_parts, kept, kept_bytes
+
+
+def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device, copy_stream: bool,
+                    num_kept: int = 0) -> _Cache:
+    """Pass 1 (``_pass_1``), then pass 2: the global loss and its gradients for the features and
+    the loss parameters, once."""
+    rng_states, q_parts, k_parts, kept, kept_bytes = _pass_1(call, chunks, device, copy_stream, num_kept)
     with torch.no_grad():
-        for dev in ChunkFeed(chunks, device, copy_stream):
-            rng_states.append(get_rng_state(device))
-            q, k = call("encode", dev.query_inputs, dev.key_inputs)
-            del dev
-            q_parts.append(q)
-            k_parts.append(k)
         loss_params = call("loss_params")
     rng_after = get_rng_state(device)
     query, key = torch.cat(q_parts), torch.cat(k_parts)
@@ -322,16 +419,16 @@ def _passes_1_and_2(engine, call, batch: Batch, chunks, device: torch.device, co
     for ch in chunks[:-1]:
         starts.append(starts[-1] + len(ch))
     return _Cache(rng_states, rng_after, query, key, loss, grad_q, grad_k, grad_p,
-                  tuple(torch.zeros_like(g) for g in grad_p), starts, batch.keys_per_query)
+                  tuple(torch.zeros_like(g) for g in grad_p), starts, batch.keys_per_query, kept, kept_bytes)
 
 
 def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, verify_replay: bool,
-                         copy_stream: bool) -> StepResult:
+                         copy_stream: bool, num_kept: int) -> StepResult:
     """The GradCache step under ZeRO-3 with the parameters gathered once (see
     ``ds_infcl.train.zero3_gather``): passes 1 and 3 on the bare module outside ZeRO-3's hooks,
-    the chunks' gradients summed in float32 buffers, then handed to the engine in the step's one
-    micro-step (``"gradients"`` mode), still under the gathered parameters, so that ZeRO-3
-    reduce-scatters each gradient once."""
+    the chunks' gradients (kept or replayed) summed in float32 buffers, then handed to the engine
+    in the step's one micro-step (``"gradients"`` mode), still under the gathered parameters, so
+    that ZeRO-3 reduce-scatters each gradient once."""
     import deepspeed
 
     from ds_infcl.train.zero3_gather import GradientBuffers, module_hooks_off
@@ -340,11 +437,10 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
     params = list(model.parameters())
     buffers = GradientBuffers(params)
     with module_hooks_off(engine), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        cache = _passes_1_and_2(engine, model, batch, chunks, device, copy_stream)
-        for i, chunk in enumerate(ChunkFeed(chunks, device, copy_stream)):
-            with torch.enable_grad():
-                buffers.add(cache.replay(model, chunk, i, len(chunks), device, verify_replay))
-            del chunk
+        cache = _passes_1_and_2(engine, model, batch, chunks, device, copy_stream, num_kept)
+        for surrogate in _surrogates(cache, model, chunks, device, copy_stream, verify_replay):
+            buffers.add(surrogate)
+            del surrogate
         # The step's one micro-step, at the accumulation boundary (DeepSpeed's documented manual
         # accumulation: set before the forward; it stays set, as every step of the run takes this
         # path). The parameters are still gathered, so each AccumulateGrad sees full shapes and
@@ -356,7 +452,7 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
         buffers.sums = []
     engine.step()
     set_rng_state(cache.rng_after, device)
-    return StepResult(float(cache.loss), 1)
+    return StepResult(float(cache.loss), 1, len(chunks), num_kept, cache.kept_bytes)
 
 
 def _check_replay(i, q, q_cached, k, k_cached) -> None:

@@ -42,9 +42,10 @@ from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distrib
 from ds_infcl.train.ds_config import resolve_deepspeed_config
 from ds_infcl.train.export import export_model, save_params
 from ds_infcl.train.metrics import (
-    MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, tflops_per_gpu,
+    MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, utilization,
 )
-from ds_infcl.train.model import ContrastiveModel, compile_towers
+from ds_infcl.train.keep_chunks import KeepChunks
+from ds_infcl.train.model import ContrastiveModel, Encoder, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.profiling import format_summary, profiled
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
@@ -76,29 +77,9 @@ class TrainSummary:
     model_flops_per_sample: Optional[float] = None  # 3 x the towers' forward FLOPs of one example
     model_tflops_per_gpu: Optional[float] = None  # at the run's samples/s
     mfu: Optional[float] = None  # model FLOPs utilization: model_tflops_per_gpu / the GPU's peak
-
-
-class Encoder:
-    """What ``Task.evaluate`` gets: the trained towers without gradients (all ranks call it)."""
-
-    def __init__(self, engine, device: torch.device):
-        self._engine = engine
-        self.device = device
-
-    def _run(self, mode: str, inputs):
-        from ds_infcl.tasks.base import tree_map
-
-        inputs = tree_map(lambda t: t.to(self.device), inputs)
-        with torch.no_grad():
-            if mode == "encode_query":
-                return self._engine("encode_query", inputs)
-            return self._engine("encode_key", None, inputs)
-
-    def encode_query(self, inputs) -> torch.Tensor:
-        return self._run("encode_query", inputs)
-
-    def encode_key(self, inputs) -> torch.Tensor:
-        return self._run("encode_key", inputs)
+    hfu: Optional[float] = None  # hardware FLOPs utilization: replays and recompute counted too (metrics.py)
+    kept_chunks: Optional[int] = None  # chunks per step that kept their graph (the last step's)
+    replayed_fraction: float = 0.0  # share of the local batch encoded twice (the last step's)
 
 
 def _seed_all(seed: int) -> None:
@@ -122,6 +103,9 @@ def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
     if cfg.data.pin_memory in ("auto", True):  # (a task that decodes on the device hands over device tensors)
         batch = batch.map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
     return batch
+
+
+_GRAD_CACHE_NAMES = {True: "on", False: "off", "auto": "auto (the first chunks keep their graph, the rest are replayed)"}
 
 
 def _log(msg: str, rank: int) -> None:
@@ -194,7 +178,7 @@ class Trainer:
         self.ds_cfg, self.client_optimizer, self.notes = prepare_optimizer(ds_cfg, accelerator_name())
         for n in self.notes:
             self.log(n)
-        if cfg.batch.grad_cache and self.layout.num_chunks == 1:
+        if cfg.batch.grad_cache is True and self.layout.num_chunks == 1:
             self.log("batch.grad_cache is on with one chunk per rank: GradCache adds a pass for nothing")
         self.cfg = cfg
         self.task = get_task(cfg.task.name, cfg.task.args, cfg.task.module)
@@ -250,8 +234,10 @@ class Trainer:
             f"world {self.world} ({accelerator_name()}), global batch {layout.global_batch_size} = micro "
             f"{layout.micro_batch_size} x accumulation {layout.num_chunks} x {self.world} ranks, "
             f"ZeRO stage {engine.zero_optimization_stage()}, loss {cfg.loss.impl}, "
-            f"GradCache {'on' if cfg.batch.grad_cache else 'off'}, steps {self.start_step}->{cfg.train.num_steps}"
+            f"GradCache {_GRAD_CACHE_NAMES[cfg.batch.grad_cache]}, steps {self.start_step}->{cfg.train.num_steps}"
         )
+        # grad_cache "auto": how many chunks keep their graph (train/keep_chunks.py), logged there
+        self.keep = KeepChunks(cfg.batch, self.layout.num_chunks, self.device, self.log) if cfg.batch.grad_cache else None
         self.gather, why = zero3_gather.decide(cfg.batch.gather_params, engine, self.device, cfg.batch.grad_cache)
         if cfg.batch.grad_cache and int(engine.zero_optimization_stage()) >= 3:
             how = "gathered once per step" if self.gather else "gathered per chunk by ZeRO-3"
@@ -281,6 +267,9 @@ class Trainer:
         self.train_time, self.timed_samples = 0.0, 0
         self.step = self.start_step
         self.flops_per_sample: Optional[float] = None
+        # Activation checkpointing's recomputed share of the forward (the task says), for the HFU.
+        self.recompute_fraction = float(self.task.recomputed_forward_fraction())
+        self.last_result: Optional[StepResult] = None
         self.peak = peak_tflops(self.device, cfg.logging.peak_tflops)
         self.engine.train()
         self.watchdog = ProgressWatchdog(cfg.dist.timeout_s, rank) if self.world > 1 else None
@@ -350,12 +339,16 @@ class Trainer:
         cfg = self.cfg
         try:
             if cfg.batch.grad_cache:
-                return grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
-                                       verify_replay=cfg.batch.verify_replay, gather_params=self.gather,
-                                       copy_stream=cfg.data.copy_stream)
-            return uncached_step(self.engine, batch, self.device)
+                result = grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
+                                         verify_replay=cfg.batch.verify_replay, gather_params=self.gather,
+                                         copy_stream=cfg.data.copy_stream, num_kept=self.keep.num_kept())
+                self.keep.observe(result)  # grad_cache "auto": the measuring step decides what later steps keep
+            else:
+                result = uncached_step(self.engine, batch, self.device)
         except ValueError as e:
             raise ValueError(f"step {self.step + 1}: {e}") from e
+        self.last_result = result
+        return result
 
     def _profiled_step(self, batch: Batch) -> StepResult:
         """``forward_backward_step`` under ``torch.profiler`` (``logging.profile_step``); rank 0
@@ -377,13 +370,19 @@ class Trainer:
     def _log_step(self, result: StepResult, lr_applied: float, dt: float) -> None:
         batch_size = self.layout.global_batch_size
         ls = self._logit_scale()
-        tflops = tflops_per_gpu(self.flops_per_sample, batch_size / dt, self.world)
         self.logger.log_train({
             "step": self.step, "loss": result.loss, "logit_scale": ls, "scale": self._scale_of(ls),
             "lr": lr_applied, "samples_per_s": batch_size / dt, "step_time_s": dt,
             "peak_mem_mib": peak_memory_mib(self.device), "samples": self.samples,
-            "model_tflops_per_gpu": tflops, "mfu": None if tflops is None or not self.peak else tflops / self.peak,
+            **self._utilization(batch_size / dt, result),
         })
+
+    def _utilization(self, samples_per_s: float, result: StepResult) -> Dict[str, Any]:
+        """Model TFLOP/s per GPU, MFU, HFU (``metrics.utilization``) at ``samples_per_s`` of steps
+        like ``result``'s, and its kept chunks and replayed share."""
+        return {**utilization(self.flops_per_sample, samples_per_s, self.world, self.peak, result.replayed_fraction,
+                              self.recompute_fraction),
+                "kept_chunks": result.num_kept, "replayed_fraction": result.replayed_fraction}
 
     def maybe_eval(self) -> Optional[Dict[str, float]]:
         """The task's evaluation (on every rank) when ``eval.every_steps`` divides the step, or
@@ -456,9 +455,9 @@ class Trainer:
             eval=self.eval_metrics, notes=self.notes, data=data_counts,
         )
         summary.model_flops_per_sample = self.flops_per_sample
-        summary.model_tflops_per_gpu = tflops_per_gpu(self.flops_per_sample, summary.samples_per_s, self.world)
-        if summary.model_tflops_per_gpu is not None and self.peak:
-            summary.mfu = summary.model_tflops_per_gpu / self.peak
+        if self.last_result is not None:  # the steady state: the last step's kept and replayed chunks
+            for key, value in self._utilization(summary.samples_per_s, self.last_result).items():
+                setattr(summary, key, value)
         return summary
 
     def close(self) -> None:

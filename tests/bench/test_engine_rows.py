@@ -2,6 +2,7 @@
 writes (``+compile``, ``+auto``, ``--set``), and the row and table built from what the run leaves
 (the chunk "auto" chose, samples/s per GPU, MFU)."""
 
+import csv
 import json
 import os
 
@@ -26,7 +27,9 @@ class _FakeProc:
         with open(os.path.join(out, "run_config.json"), "w") as f:
             json.dump(resolved, f)
         with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump({"samples_per_s": 4000.0, "peak_mem_mib": 2048.0, "mfu": 0.2512}, f)
+            kept = {True: 0, "auto": 3}[run["batch"]["grad_cache"]]
+            json.dump({"samples_per_s": 4000.0, "peak_mem_mib": 2048.0, "mfu": 0.2512, "num_chunks": 8,
+                       "kept_chunks": kept, "hfu": 0.2512 * (3 + (8 - kept) / 8) / 3}, f)
         self.pid = 0
 
     def wait(self, timeout=None):
@@ -46,8 +49,26 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
     assert both["loss"]["impl"] == "infcl" and both["batch"]["chunk_size"] == "auto"
     assert both["model"] == {"compile": "blocks", "compile_mode": "max-autotune-no-cudagraphs"}
     table = (tmp_path / "results.md").read_text()
-    assert "| infcl | 2 | 8192 | 512 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
-    assert "| infcl+compile+auto | 2 | 8192 | 256 | ok | 2000.0 | 25.1% | 2.048 | 2.0 |" in table
+    assert "| infcl | 2 | 8192 | 512 | 0/8 | ok | 2000.0 | 25.1% | 33.5% | 2.048 | 2.0 |" in table
+    assert "| infcl+compile+auto | 2 | 8192 | 256 | 0/8 | ok | 2000.0 | 25.1% | 33.5% | 2.048 | 2.0 |" in table
+
+
+def test_grad_cache_auto_by_option_or_set_is_named_in_the_rows(monkeypatch, tmp_path):
+    # Issue 37: "+gcauto" and --set batch.grad_cache=auto (the string "auto", not a boolean) both
+    # run the hybrid, and its rows say so: the name, the kept chunks, HFU beside MFU.
+    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "1 x Fake GPU", "mem_gib": 80.0})
+    engine.main(["--num-gpus", "1", "--no-search", "--throughput-batch", "4096", "--chunk-size", "512",
+                 "--impls", "infcl+gcauto", "--out", str(tmp_path / "a")])
+    engine.main(["--num-gpus", "1", "--no-search", "--throughput-batch", "4096", "--chunk-size", "512",
+                 "--impls", "infcl", "--set", "batch.grad_cache=auto", "--out", str(tmp_path / "b")])
+    for out, case in ((tmp_path / "a", "infcl_gcauto_tp_4096"), (tmp_path / "b", "infcl_tp_4096")):
+        assert json.loads((out / case / "run.json").read_text())["batch"]["grad_cache"] == "auto"
+        table = (out / "results.md").read_text()
+        assert "| infcl+gcauto | 1 | 4096 | 512 | 3/8 | ok | 4000.0 | 25.1% | 30.3% | 1.024 | 2.0 |" in table
+        with open(out / "results.csv") as f:
+            row = next(csv.DictReader(f))
+        assert row["impl"] == "infcl+gcauto" and row["kept"] == "3/8" and float(row["hfu"]) == pytest.approx(0.3035, abs=1e-4)
 
 
 def test_gpu_selection_follows_cuda_visible_devices(monkeypatch):

@@ -242,3 +242,36 @@ def test_gather_params_values_and_fp16():
     auto = _cfg(batch={"grad_cache": True, "chunk_size": 8})
     assert auto.batch.gather_params == "auto"
     resolve_deepspeed_config(auto, {"fp16": {"enabled": True}}, 2)  # auto: the engine keeps ZeRO-3's path
+
+
+@pytest.mark.parametrize(
+    "batch,match",
+    [
+        ({"grad_cache": "yes", "chunk_size": 8}, r"batch.grad_cache: 'yes' is not allowed; choose one of \[True, False, 'auto'\]"),
+        ({"grad_cache": "auto"}, r'batch.chunk_size: required when batch.grad_cache is "auto"'),
+        ({"grad_cache": True, "chunk_size": 8, "keep_chunks": 1}, r'batch.keep_chunks: only used with batch.grad_cache "auto"'),
+        ({"keep_chunks": 1}, r'batch.keep_chunks: only used with batch.grad_cache "auto" \(it is false\)'),
+        ({"grad_cache": "auto", "chunk_size": 8, "keep_chunks": -1}, r"batch.keep_chunks: must be >= 0, got -1"),
+        ({"grad_cache": True, "chunk_size": 8, "memory_budget_gib": 10},
+         r'batch.memory_budget_gib: only used with batch.chunk_size "auto" or batch.grad_cache "auto"'),
+    ],
+)
+def test_grad_cache_auto_settings_are_checked(batch, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(batch=batch)
+
+
+def test_grad_cache_auto_from_the_command_line_and_its_layout():
+    # --set batch.grad_cache=auto gives the string (not JSON), true/false the booleans; "auto" lays
+    # the batch out as GradCache does (one micro-step per chunk), and keep_chunks is bounded by the
+    # chunks of a step.
+    raw = apply_overrides(BASE, ["batch.grad_cache=auto", "batch.chunk_size=8", "batch.keep_chunks=2",
+                                 "batch.memory_budget_gib=60"])
+    cfg = run_config_from_dict(raw)
+    assert cfg.batch.grad_cache == "auto" and cfg.batch.keep_chunks == 2
+    assert run_config_from_dict(apply_overrides(BASE, ["batch.grad_cache=true", "batch.chunk_size=8"])).batch.grad_cache is True
+    ds, layout = resolve_deepspeed_config(cfg, {}, 2)
+    assert layout.num_chunks == 4 and ds["gradient_accumulation_steps"] == 4
+    with pytest.raises(ConfigError, match=r"batch.keep_chunks: 5 exceeds the 4 chunks of a step \(local batch 32 / "
+                                          r"batch.chunk_size 8\); give at most 4"):
+        resolve_deepspeed_config(_cfg(batch={"grad_cache": "auto", "chunk_size": 8, "keep_chunks": 5}), {}, 2)

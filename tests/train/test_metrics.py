@@ -165,7 +165,26 @@ def test_model_flops_and_mfu_are_logged(tmp_path):
     with open(tmp_path / "run" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert all(float(r["mfu"]) == pytest.approx(float(r["model_tflops_per_gpu"]) / 0.5) for r in rows)
-    assert "MFU" in proc.stdout
+    assert "MFU" in proc.stdout and "HFU" in proc.stdout
+    # Issue 37: the plain step replays nothing, so its hardware FLOPs are its model FLOPs.
+    assert summary["hfu"] == pytest.approx(summary["mfu"]) and summary["replayed_fraction"] == 0.0
+    assert all(float(r["hfu"]) == pytest.approx(float(r["mfu"])) for r in rows)
+    # The hybrid of grad_cache "auto" with 1 of 4 chunks kept replays 3/4 of the batch's forward:
+    # HFU = MFU x (3 + 3/4) / 3 (GradCache, all 4 replayed: x 4/3).
+    cfg["batch"].update(grad_cache="auto", chunk_size=4, keep_chunks=1)
+    cfg["output_dir"] = str(tmp_path / "hybrid")
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "batch.grad_cache auto: 1 of 4 chunks per step keep their graph, 3 replayed (batch.keep_chunks)" in proc.stdout
+    hybrid = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
+    assert hybrid["kept_chunks"] == 1 and hybrid["replayed_fraction"] == 0.75
+    assert hybrid["hfu"] == pytest.approx(hybrid["mfu"] * 3.75 / 3)
+    with open(tmp_path / "hybrid" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["hfu"]) == pytest.approx(float(r["mfu"]) * 3.75 / 3) for r in rows)
+    assert [r["kept_chunks"] for r in rows] == ["1", "1", "1"]
+    del cfg["batch"]["grad_cache"], cfg["batch"]["chunk_size"], cfg["batch"]["keep_chunks"]
     # Without a known peak (CPU) the MFU column stays empty.
     cfg["logging"]["peak_tflops"] = None
     cfg["output_dir"] = str(tmp_path / "run2")

@@ -230,3 +230,65 @@ def test_fastclip_loss_through_both_steps():
     assert loss.temperature == pytest.approx(ref_loss.temperature, rel=1e-6)
     for name, g in ref_engine.step_grads.items():
         torch.testing.assert_close(engine.step_grads[name], g, rtol=1e-4, atol=1e-6)
+
+
+def _hybrid(batch, chunk, kept, dropout=0.0, dtype=torch.float32, siglip=False):
+    model, _ = _model(dropout, siglip=siglip)
+    model.to(dtype)
+    engine = FakeEngine(model, math.ceil(len(batch) / chunk))
+    torch.manual_seed(123)
+    result = grad_cache_step(engine, batch, chunk, torch.device("cpu"), verify_replay=True, num_kept=kept)
+    return result, engine, torch.rand(1)  # the RNG after the step
+
+
+@pytest.mark.parametrize("siglip", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kept", [1, 2, 3])
+def test_kept_chunks_equal_grad_cache_exactly(kept, dtype, siglip):
+    # grad_cache "auto"'s hybrid (issue 37): 20 queries in chunks of 7 (7, 7, 6), the first
+    # `kept` encoded once with their graphs. Dropout: a kept chunk draws its masks once from the
+    # state GradCache saves for it, so the loss, every gradient (the scale and SigLIP's bias
+    # counted once) and the RNG afterwards are GradCache's, bit for bit.
+    batch = next(SyntheticTask().batches(rank=0, world_size=1, local_batch_size=20, start_step=0, seed=0))
+    ref, ref_engine, ref_rng = _hybrid(batch, 7, 0, dropout=0.3, dtype=dtype, siglip=siglip)
+    got, engine, rng = _hybrid(batch, 7, kept, dropout=0.3, dtype=dtype, siglip=siglip)
+    assert (got.num_chunks, got.num_kept, got.num_micro_steps) == (3, kept, 3)
+    assert got.replayed_fraction == pytest.approx((3 - kept) / 3) and ref.replayed_fraction == 1.0
+    assert engine.backward_calls == 3 and got.loss == ref.loss and torch.equal(rng, ref_rng)
+    assert set(engine.step_grads) == set(ref_engine.step_grads)
+    for name, g in ref_engine.step_grads.items():
+        assert torch.equal(engine.step_grads[name], g), name
+    assert ref_engine.step_grads["loss.logit_scale"].abs().item() > 1e-4
+
+
+def test_kept_chunks_encode_once():
+    # The kept chunks' forward runs once, the replayed ones' twice.
+    batch = next(SyntheticTask().batches(rank=0, world_size=1, local_batch_size=12, start_step=0, seed=0))
+    model, _ = _model()
+    calls = []
+    model.towers.query_tower.register_forward_hook(lambda m, i, o: calls.append(len(i[0])))
+    grad_cache_step(FakeEngine(model, 3), batch, 4, torch.device("cpu"), num_kept=2)
+    assert len(calls) == 3 + 1
+    with pytest.raises(ValueError, match=r"num_kept must be in \[0, 3\]"):
+        grad_cache_step(FakeEngine(model, 3), batch, 4, torch.device("cpu"), num_kept=4)
+
+
+def test_kept_chunks_with_hard_negatives_and_loss_inputs():
+    torch.manual_seed(0)
+    towers = SyntheticTask().build_towers()
+    g = torch.Generator().manual_seed(1)
+    b, kpq = 7, 3
+    batch = Batch(query_inputs=torch.randn(b, 32, generator=g), key_inputs=torch.randn(b * kpq, 32, generator=g),
+                  sample_index=torch.arange(b), keys_per_query=kpq, loss_inputs={"weight": torch.tensor(0.5)})
+
+    def run(kept):
+        model = ContrastiveModel(towers=_copy(towers), loss=_MaskedLoss(symmetric=False, impl="infcl"))
+        engine = FakeEngine(model, 4)
+        return grad_cache_step(engine, batch, 2, torch.device("cpu"), num_kept=kept), engine
+
+    ref, ref_engine = run(0)
+    for kept in (1, 4):
+        got, engine = run(kept)
+        assert got.loss == ref.loss
+        for name, grad in ref_engine.step_grads.items():
+            assert torch.equal(engine.step_grads[name], grad), name
