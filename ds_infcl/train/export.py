@@ -3,12 +3,13 @@ task's export folder (``checkpoint.export_final``), both gathered under ZeRO-3."
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 
-__all__ = ["save_params", "master_params", "export_model"]
+__all__ = ["save_params", "master_params", "export_model", "write_run_files"]
 
 
 def save_params(engine, path: str, rank: int) -> None:
@@ -68,3 +69,12 @@ def export_model(engine, task, folder: str, rank: int, dtype: torch.dtype = torc
     dist.barrier()
     if rank == 0:
         print(f"[ds_infcl] exported the final model to {folder}", flush=True)
+
+
+def write_run_files(output_dir: str, run_config: Dict[str, Any], ds_config: Dict[str, Any]) -> None:
+    """``run_config.json`` and ``ds_config.resolved.json`` in ``output_dir`` (rank 0, at the start):
+    what the run was asked to do, with every default filled in."""
+    os.makedirs(output_dir, exist_ok=True)
+    for name, obj in (("run_config.json", run_config), ("ds_config.resolved.json", ds_config)):
+        with open(os.path.join(output_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)

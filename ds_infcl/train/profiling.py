@@ -31,7 +31,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["profiled", "kernel_category", "KERNEL_CATEGORIES", "summarize_kernels", "format_summary", "idle_report"]
+__all__ = ["profiled", "kernel_category", "KERNEL_CATEGORIES", "summarize_kernels", "format_summary", "idle_report",
+           "profiled_call"]
 
 # First match wins: the pattern is searched in the lowercased kernel name.
 KERNEL_CATEGORIES: List[Tuple[str, str]] = [
@@ -123,6 +124,14 @@ def profiled(out_dir: Optional[str], label: str, device: torch.device, write: bo
             f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90))
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(result, f, indent=2)
+
+
+def profiled_call(fn, *args, out_dir: str, label: str, device: torch.device, rank: int, log) -> object:
+    """``fn(*args)`` under ``profiled``: rank 0 writes ``out_dir``; ``log`` gets the summary line."""
+    with profiled(out_dir, label, device, write=rank == 0) as summary:
+        result = fn(*args)
+    log(format_summary(f"{label} (rank {rank})", summary) + f"; files in {out_dir}")
+    return result
 
 
 def _merged(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:

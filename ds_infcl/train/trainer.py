@@ -40,14 +40,14 @@ from ds_infcl.train.checkpoint import load_checkpoint, run_id_after, save_checkp
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
 from ds_infcl.train.ds_config import resolve_deepspeed_config
-from ds_infcl.train.export import export_model, save_params
+from ds_infcl.train.export import export_model, save_params, write_run_files
 from ds_infcl.train.metrics import (
     MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, utilization,
 )
 from ds_infcl.train.keep_chunks import KeepChunks
 from ds_infcl.train.model import ContrastiveModel, Encoder, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
-from ds_infcl.train.profiling import format_summary, profiled
+from ds_infcl.train.profiling import profiled_call
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
 from ds_infcl.train.signals import StopOnSignal, StopRun
 from ds_infcl.train.steps import StepResult, grad_cache_step, uncached_step
@@ -253,11 +253,7 @@ class Trainer:
             monitor=getattr(self.engine, "monitor", None),
         )
         if rank == 0:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, "run_config.json"), "w") as f:
-                json.dump(cfg.to_dict(), f, indent=2)
-            with open(os.path.join(cfg.output_dir, "ds_config.resolved.json"), "w") as f:
-                json.dump(self.ds_cfg, f, indent=2)
+            write_run_files(cfg.output_dir, cfg.to_dict(), self.ds_cfg)
         self.data = self.task.batches(
             rank=rank, world_size=self.world, local_batch_size=self.layout.local_batch_size,
             start_step=self.start_step, seed=cfg.train.seed,
@@ -311,8 +307,9 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.time()
-        if self.step + 1 == cfg.logging.profile_step:
-            result = self._profiled_step(batch)
+        if self.step + 1 == cfg.logging.profile_step:  # under torch.profiler, to <output_dir>/profile
+            result = profiled_call(self.forward_backward_step, batch, out_dir=os.path.join(cfg.output_dir, "profile"),
+                                   label=f"step {self.step + 1}", device=device, rank=self.rank, log=self.log)
         else:
             result = self.forward_backward_step(batch)
         if device.type == "cuda":
@@ -348,15 +345,6 @@ class Trainer:
         except ValueError as e:
             raise ValueError(f"step {self.step + 1}: {e}") from e
         self.last_result = result
-        return result
-
-    def _profiled_step(self, batch: Batch) -> StepResult:
-        """``forward_backward_step`` under ``torch.profiler`` (``logging.profile_step``); rank 0
-        writes ``<output_dir>/profile/`` and logs the step's device-time split."""
-        out = os.path.join(self.cfg.output_dir, "profile")
-        with profiled(out, f"step {self.step + 1}", self.device, write=self.rank == 0) as summary:
-            result = self.forward_backward_step(batch)
-        self.log(format_summary(f"step {self.step + 1} (rank {self.rank})", summary) + f"; files in {out}")
         return result
 
     def _logit_scale(self) -> float:
