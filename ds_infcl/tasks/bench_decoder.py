@@ -30,6 +30,7 @@ from torch import nn
 from ds_infcl.adapters.decoder_step import LayerCheckpointing, apply_liger, decoder_flops, pack_texts, pool_packed, pool_padded
 from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.base import Batch, Task
+from ds_infcl.tasks.bench import hashed_ints
 
 __all__ = ["BenchDecoderTask", "DECODER_ARCHS"]
 
@@ -75,13 +76,11 @@ class _GeneratedDecoderTowers(nn.Module):
         """``[n, seq_len]`` ids, right-padded with 0 past each text's length, the length's last
         token an end-of-text id (the pooled position), and the ``[n, seq_len]`` attention mask
         (``None`` when every text has ``seq_len`` tokens)."""
-        g = torch.Generator(device=index.device)
-        g.manual_seed((int(index[0]) * 2654435761 + salt) % (2**61))
-        ids = torch.randint(0, self.vocab - 1, (len(index), self.seq_len), generator=g, device=index.device)
+        ids = hashed_ints(index, self.seq_len, self.vocab - 1, salt=2 * salt)  # no host read (tasks/bench.py)
         if self.min_seq_len == self.seq_len:
             ids[:, -1] = self.vocab - 1
             return ids, None
-        lengths = torch.randint(self.min_seq_len, self.seq_len + 1, (len(index),), generator=g, device=index.device)
+        lengths = self.min_seq_len + hashed_ints(index, 1, self.seq_len - self.min_seq_len + 1, salt=2 * salt + 1)[:, 0]
         cols = torch.arange(self.seq_len, device=index.device)
         mask = (cols[None, :] < lengths[:, None]).long()
         ids = torch.where(cols[None, :] == lengths[:, None] - 1, self.vocab - 1, ids * mask)
