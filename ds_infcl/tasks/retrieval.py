@@ -37,14 +37,8 @@ from ds_infcl.adapters.retrieval_eval import retrieval_metrics
 from ds_infcl.errors import ConfigError
 from ds_infcl.loss import build_loss, loss_features, losses_with
 from ds_infcl.tasks.base import Task, loss_config_settings
-from ds_infcl.data.retrieval import (
-    GlobalNoDuplicatesBatchSampler,
-    MalformedTally,
-    RetrievalExample,
-    example_texts,
-    iter_retrieval_jsonl,
-    iter_retrieval_shards,
-)
+from ds_infcl.data.retrieval import (GlobalNoDuplicatesBatchSampler, MalformedTally, RetrievalExample, example_texts,
+                                     iter_retrieval_jsonl, iter_retrieval_shards)
 from ds_infcl.data.pair_stream import PairStream, parse_sources
 
 __all__ = ["RetrievalTask"]
@@ -436,9 +430,8 @@ class RetrievalTask(Task):
                 )
             epoch += 1
 
-    def recomputed_forward_fraction(self) -> float:
-        """``gradient_checkpointing`` recomputes every encoder layer's forward in the backward."""
-        return 1.0 if self.encoder_args["gradient_checkpointing"] else 0.0
+    def recomputed_forward_fraction(self) -> float:  # checkpointing recomputes every layer's forward (not "auto")
+        return 1.0 if self.encoder_args["gradient_checkpointing"] is True else 0.0
 
     def data_report(self) -> Dict[str, int]:
         """This rank's share of the data counts of the run (the engine sums them over ranks): the

@@ -384,9 +384,8 @@ def _validate(cfg: RunConfig) -> None:
     _positive("train.seed", cfg.train.seed, zero_ok=True)
     _positive("eval.every_steps", cfg.eval.every_steps, zero_ok=True)
     _positive("logging.every_steps", cfg.logging.every_steps)
-    if not 0 <= cfg.logging.profile_step <= cfg.train.num_steps:
-        raise ConfigError(f"logging.profile_step: {cfg.logging.profile_step} is not a step of this run "
-                          f"(1..train.num_steps = {cfg.train.num_steps}, or 0 for no profile)")
+    if not 0 <= cfg.logging.profile_step <= cfg.train.num_steps:  # 0: no profile
+        raise ConfigError(f"logging.profile_step: {cfg.logging.profile_step} is not a step of this run (1..train.num_steps = {cfg.train.num_steps}, or 0 for no profile)")
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps, zero_ok=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, zero_ok=True)
     if not cfg.output_dir:
