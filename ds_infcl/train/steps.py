@@ -50,6 +50,7 @@ DeepSpeed's loss scaling applies.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -61,7 +62,7 @@ from ds_infcl.tasks.base import Batch
 
 __all__ = [
     "StepResult", "uncached_step", "grad_cache_step", "move_batch", "ChunkFeed", "copy_stream_of",
-    "get_rng_state", "set_rng_state",
+    "get_rng_state", "set_rng_state", "check_finite_step",
 ]
 
 
@@ -82,6 +83,29 @@ class StepResult:
     def replayed_fraction(self) -> float:
         """Share of the local batch whose forward ran a second time (GradCache's replay)."""
         return (self.num_chunks - self.num_kept) / self.num_chunks
+
+
+def check_finite_step(engine, loss: float, step: int) -> None:
+    """Stop on a non-finite loss, or on a non-finite gradient norm that DeepSpeed applied.
+
+    With bf16, DeepSpeed's own overflow check (``bf16.check_grad_overflow``, on by default) tests
+    every gradient tensor for NaN/Inf one by one at each optimizer step and skips the update when
+    one is found; that loop costs tens of milliseconds of host time per step (measured on an H100,
+    docs/training.md), so the shipped bf16 configs turn it off. Then a non-finite gradient is
+    applied; the global norm that gradient clipping computes anyway (already on the host) tells,
+    and the run stops here with the step named instead of training on from broken weights.
+    Without clipping DeepSpeed computes no norm, and the loss check of the next step stops it."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"step {step}: loss is {loss}; stopping (lower the learning rate, check fp16 scaling)")
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    if norm is None or not hasattr(engine, "was_step_applied") or not engine.was_step_applied():
+        return
+    norm = float(norm)
+    if not math.isfinite(norm):
+        raise FloatingPointError(
+            f"step {step}: the gradient norm is {norm} and the update was applied (bf16.check_grad_overflow is "
+            "false), so the weights may now hold NaN/Inf; stopping. Resume from the last checkpoint (--resume) with "
+            "a lower learning rate, or set bf16.check_grad_overflow true in the DeepSpeed config to skip such steps")
 
 
 def get_rng_state(device: torch.device):

@@ -50,7 +50,7 @@ from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.profiling import profiled_call
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
 from ds_infcl.train.signals import StopOnSignal, StopRun
-from ds_infcl.train.steps import StepResult, grad_cache_step, uncached_step
+from ds_infcl.train.steps import StepResult, check_finite_step, grad_cache_step, uncached_step
 
 __all__ = ["Trainer", "TrainSummary", "Encoder"]
 
@@ -322,9 +322,7 @@ class Trainer:
             self.timed_samples += batch_size
         self.beat()
         self.losses.append(result.loss)
-        if not math.isfinite(result.loss):
-            raise FloatingPointError(f"step {self.step}: loss is {result.loss}; stopping (lower the learning rate, "
-                                     "check fp16 scaling)")
+        check_finite_step(self.engine, result.loss, self.step)
         if self.step % cfg.logging.every_steps == 0 or self.step == cfg.train.num_steps:
             self._log_step(result, lr_applied, dt)
         self.logger.advance()

@@ -40,3 +40,30 @@ class ClosingNanTask(NanTask):
             yield from super().batches(**kwargs)
         finally:
             ClosingNanTask.closed = True
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward (the loss stays finite), NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class _NanGradAfterFirst(_NanAfterFirst):
+    def encode_query(self, x):
+        if torch.is_grad_enabled():
+            self.calls += 1
+        out = self.towers.encode_query(x)
+        return _NanGradient.apply(out) if self.calls > 1 else out
+
+
+class NanGradTask(SyntheticTask):
+    """From its second training step on, the query tower's gradients are NaN while the loss is finite."""
+
+    def build_towers(self):
+        return _NanGradAfterFirst(super().build_towers())
