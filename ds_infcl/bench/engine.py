@@ -24,8 +24,8 @@ An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "bl
 activations fit keep their graph, the rest are replayed; the row's ``kept`` column shows how many
 of the step's chunks were kept, GradCache keeps none); for ``--task bench_decoder`` also ``+liger``,
 ``+packing``, ``+nockpt`` (no layer checkpointing), ``+ckptauto`` (layer checkpointing only where a
-forward would not fit) and ``+chunkN`` (that case's GradCache chunk), so one command gives the "what
-each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
+forward would not fit), ``+lora`` (LoRA r 16, alpha 32) and ``+chunkN`` (that case's GradCache chunk),
+so one command gives the "what each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
 run-config key of every case (``--set batch.grad_cache=auto`` labels the rows ``+gcauto`` too). Each
 row gives MFU (model FLOPs: 3 x the towers' forward) and HFU (hardware FLOPs: GradCache's replayed
 forwards and activation checkpointing's recompute counted too,
@@ -43,7 +43,7 @@ naming it.
 ``st_cached`` (``--task bench_decoder`` only) is sentence-transformers' ``CachedMultipleNegativesRankingLoss``
 with peft LoRA on the same decoder shape (``ds_infcl.bench.st_cached``), one GPU (the first visible),
 no DeepSpeed, at ``--st-batch`` pairs in mini-batches of ``--st-mini-batch``: its row gives samples
-and tokens/s per GPU beside ours.
+and tokens/s per GPU beside ours. The impls run in the order given (OpenCLIP's rows last).
 
     python -m ds_infcl.bench.engine --num-gpus 1 --no-search --chunk-size 512 --throughput-batch 2048 \
         --impls infcl+compile openclip_step --openclip-modes eager compile \
@@ -98,7 +98,8 @@ def _tokens_per_sample(args) -> Optional[float]:
 IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
                 "liger": "task.args.liger=true", "packing": "task.args.packing=true",
                 "nockpt": "task.args.gradient_checkpointing=false",
-                "ckptauto": "task.args.gradient_checkpointing=auto"}
+                "ckptauto": "task.args.gradient_checkpointing=auto",
+                "lora": 'task.args.lora={"r": 16, "alpha": 32}'}
 
 
 def parse_impl(spec: str):
@@ -460,17 +461,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = _gpu_info()
 
     rows = []
-    for batch in [b for b in args.throughput_batch if b > 0]:
-        for impl in ours:
+    for impl in [i for i in args.impls if i != "openclip_step"]:  # in the order given
+        if impl == "st_cached":
+            from ds_infcl.bench.st_cached import engine_row
+
+            rows.append(engine_row(args, _launch, _case_row, _summary))
+        for batch in [b for b in args.throughput_batch if b > 0 and impl != "st_cached"]:
             rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
-            _write_results(args, gpu, rows, {})
+        _write_results(args, gpu, rows, {})
     if "openclip_step" in args.impls:
         rows += _openclip_rows(args)
-        _write_results(args, gpu, rows, {})
-    if "st_cached" in args.impls:
-        from ds_infcl.bench.st_cached import engine_row
-
-        rows.append(engine_row(args, _launch, _case_row, _summary))
         _write_results(args, gpu, rows, {})
     largest: Dict[str, str] = {}
     if not args.no_search:

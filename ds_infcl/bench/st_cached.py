@@ -229,7 +229,7 @@ def engine_row(args, launch, case_row, read_summary) -> Dict[str, object]:
         sps, tps = s["samples_per_s_per_gpu"], s["tokens_per_s_per_gpu"]
         row.update(samples_per_s=round(sps, 2), samples_per_s_per_gpu=round(sps, 2), tokens_per_s=round(tps),
                    tokens_per_s_per_gpu=round(tps), step_time_s=round(s["step_time_s"], 3),
-                   peak_mem_gib=round(s["peak_mem_gib"] or 0, 2))
+                   peak_mem_gib="" if s["peak_mem_gib"] is None else round(s["peak_mem_gib"], 2))
         row.update({k: round(s[k], 4) for k in ("mfu", "hfu") if s.get(k) is not None})
     elif status != "ok":
         print(f"[bench] st_cached {status}; last lines:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
