@@ -24,8 +24,8 @@ An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "bl
 activations fit keep their graph, the rest are replayed; the row's ``kept`` column shows how many
 of the step's chunks were kept, GradCache keeps none); for ``--task bench_decoder`` also ``+liger``,
 ``+packing``, ``+nockpt`` (no layer checkpointing), ``+ckptauto`` (layer checkpointing only where a
-forward would not fit) and ``+chunkN`` (that case's GradCache chunk), so one command gives the "what
-each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
+forward would not fit), ``+lora`` (LoRA r 16, alpha 32) and ``+chunkN`` (that case's GradCache chunk),
+so one command gives the "what each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
 run-config key of every case (``--set batch.grad_cache=auto`` labels the rows ``+gcauto`` too). Each
 row gives MFU (model FLOPs: 3 x the towers' forward) and HFU (hardware FLOPs: GradCache's replayed
 forwards and activation checkpointing's recompute counted too,
@@ -40,6 +40,10 @@ ours in the same table (samples/s per GPU and MFU counted the same way: 3 x the 
 FLOPs of one pair, against the GPU's dense bf16 peak), and a second table sets each of our
 throughput rows beside the fastest OpenCLIP configuration that ran at the same global batch,
 naming it.
+``st_cached`` (``--task bench_decoder`` only) is sentence-transformers' ``CachedMultipleNegativesRankingLoss``
+with peft LoRA on the same decoder shape (``ds_infcl.bench.st_cached``), one GPU (the first visible),
+no DeepSpeed, at ``--st-batch`` pairs in mini-batches of ``--st-mini-batch``: its row gives samples
+and tokens/s per GPU beside ours. The impls run in the order given (OpenCLIP's rows last).
 
     python -m ds_infcl.bench.engine --num-gpus 1 --no-search --chunk-size 512 --throughput-batch 2048 \
         --impls infcl+compile openclip_step --openclip-modes eager compile \
@@ -94,7 +98,8 @@ def _tokens_per_sample(args) -> Optional[float]:
 IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
                 "liger": "task.args.liger=true", "packing": "task.args.packing=true",
                 "nockpt": "task.args.gradient_checkpointing=false",
-                "ckptauto": "task.args.gradient_checkpointing=auto"}
+                "ckptauto": "task.args.gradient_checkpointing=auto",
+                "lora": 'task.args.lora={"r": 16, "alpha": 32}'}
 
 
 def parse_impl(spec: str):
@@ -117,12 +122,13 @@ def impl_label(impl: str, run: Dict) -> str:
     return impl + "+plain" if grad_cache is False else impl
 
 
-def _launch(cmd, log_path: str, timeout: float, exit_codes=None):
+def _launch(cmd, log_path: str, timeout: float, exit_codes=None, env_extra=None):
     """Run one case's command (the repository on its ``PYTHONPATH``, output to ``log_path``, its own
     process group, killed after ``timeout`` seconds); returns ``(status, wall seconds, log text)``,
     status ``ok``, ``failed``, ``oom``, ``timeout`` or ``exit_codes[rc]``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
     if "--include" in cmd:  # _gpu_selection: the launcher sees every GPU and picks the named ones
         env.pop("CUDA_VISIBLE_DEVICES", None)
     t0 = time.time()
@@ -235,6 +241,7 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
         tokens = _tokens_per_sample(args)
         if tokens and s["samples_per_s"]:
             row["tokens_per_s"] = round(s["samples_per_s"] * tokens)
+            row["tokens_per_s_per_gpu"] = round(s["samples_per_s"] * tokens / args.num_gpus)
     print(f"[bench] {row['impl']:8s} B={global_batch:>8d} {status:8s} sps={row['samples_per_s']} "
           f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} hfu={row.get('hfu', '-')} "
           f"kept={row['kept'] or '-'} "
@@ -357,7 +364,7 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
     """Write ``results.csv`` and ``results.md`` (rewritten after every case, so that a run cut short
     keeps its finished rows) and return the markdown lines."""
     fields = ["phase", "impl", "gpus", "global_batch", "chunk", "steps", "status", "samples_per_s", "samples_per_s_per_gpu",
-              "tokens_per_s", "mfu", "hfu", "kept", "step_time_s", "peak_mem_gib", "wall_s"]
+              "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "kept", "step_time_s", "peak_mem_gib", "wall_s"]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -367,15 +374,16 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
         f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
         f"GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-        "| impl | GPUs | global batch | chunk | kept | status | samples/s per GPU | MFU | HFU | step time (s) | "
-        "peak memory / GPU (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| impl | GPUs | global batch | chunk | kept | status | samples/s per GPU | tokens/s per GPU | MFU | HFU | "
+        "step time (s) | peak memory / GPU (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        if r["phase"] in ("throughput", "openclip"):
+        if r["phase"] in ("throughput", "openclip", "st_cached"):
             mfu, hfu = (f"{100 * r[k]:.1f}%" if r.get(k) not in (None, "") else "" for k in ("mfu", "hfu"))
             lines.append(f"| {r['impl']} | {r['gpus']} | {r['global_batch']} | {r['chunk']} | {r.get('kept', '')} | "
-                         f"{r['status']} | {r['samples_per_s_per_gpu']} | {mfu} | {hfu} | {r['step_time_s']} | "
+                         f"{r['status']} | {r['samples_per_s_per_gpu']} | {r.get('tokens_per_s_per_gpu', '')} | {mfu} | {hfu} | "
+                         f"{r['step_time_s']} | "
                          f"{r['peak_mem_gib']} |")
     if any(r["phase"] == "openclip" for r in rows):
         lines += ["", "Ours beside OpenCLIP's fastest configuration at the same global batch:", ""] + best_openclip_lines(rows)
@@ -429,10 +437,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "command lines; --openclip-accum-batches is the general form)")
     p.add_argument("--openclip-accum-micro", type=int, default=256, help="openclip_step: micro-batch of the accum_freq runs")
     p.add_argument("--openclip-steps", type=int, default=5, help="openclip_step: timed steps (after 2 warm-up steps)")
+    p.add_argument("--st-batch", type=int, default=512, help="st_cached: global batch (pairs) of its timed steps")
+    p.add_argument("--st-mini-batch", type=int, default=16, help="st_cached: CachedMNRL's mini_batch_size")
+    p.add_argument("--st-steps", type=int, default=2, help="st_cached: timed steps (after a warm-up step)")
+    p.add_argument("--st-lora-r", type=int, default=16, help="st_cached: LoRA rank when the task has no lora")
     p.add_argument("--label", default=None, help="title of the results table (default: the DeepSpeed config's name)")
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
-    ours = [i for i in args.impls if i != "openclip_step"]
+    ours = [i for i in args.impls if i not in ("openclip_step", "st_cached")]
+    if "st_cached" in args.impls and args.task != "bench_decoder":
+        p.error("--impls st_cached needs --task bench_decoder (the decoder shape it trains)")
     if args.openclip_accum_freq > 1:
         args.openclip_accum_batches = sorted(set(args.openclip_accum_batches) | {args.openclip_accum_micro * args.openclip_accum_freq})
     for b in args.openclip_accum_batches:
@@ -447,10 +461,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = _gpu_info()
 
     rows = []
-    for batch in [b for b in args.throughput_batch if b > 0]:
-        for impl in ours:
+    for impl in [i for i in args.impls if i != "openclip_step"]:  # in the order given
+        if impl == "st_cached":
+            from ds_infcl.bench.st_cached import engine_row
+
+            rows.append(engine_row(args, _launch, _case_row, _summary))
+        for batch in [b for b in args.throughput_batch if b > 0 and impl != "st_cached"]:
             rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
-            _write_results(args, gpu, rows, {})
+        _write_results(args, gpu, rows, {})
     if "openclip_step" in args.impls:
         rows += _openclip_rows(args)
         _write_results(args, gpu, rows, {})

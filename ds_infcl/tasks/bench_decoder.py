@@ -1,8 +1,13 @@
 """``bench_decoder``: an LLM-embedder-sized retrieval task for throughput and memory benchmarks.
 
 A random-initialized decoder built from a config (no download): ``qwen2-1.5b`` has the shape of
-Qwen2-1.5B (28 layers, width 1536, 12 heads with 2 key/value heads, vocabulary 151,936), ``tiny``
-a few-kB version for CPU tests. Each example is a query and ``1 + num_negatives`` documents of
+Qwen2-1.5B (28 layers, width 1536, 12 heads with 2 key/value heads, vocabulary 151,936),
+``qwen2-7b`` of Qwen2-7B (28 layers, width 3584, 28 heads with 4 key/value heads, MLP 18,944,
+vocabulary 152,064, untied embeddings), ``mistral-7b`` of Mistral-7B-v0.1 (32 layers, width 4096,
+32 heads with 8 key/value heads, MLP 14,336, vocabulary 32,000, rope theta 10,000); ``tiny``
+(Qwen2) and ``tiny-mistral`` are few-kB versions for CPU tests. Each arch names its transformers
+model type (``decoder_config``). ``init_device: "cuda"`` builds the decoder on the rank's GPU (a
+7B model's random initialization takes minutes on a CPU). Each example is a query and ``1 + num_negatives`` documents of
 ``seq_len`` generated token ids (no padding), embedded by last-token pooling and L2-normalized, as
 E5-Mistral / GTE-Qwen embedders are; the loss is one-directional InfoNCE with a fixed scale of 20.
 
@@ -32,15 +37,47 @@ from ds_infcl.errors import ConfigError
 from ds_infcl.tasks.base import Batch, Task
 from ds_infcl.tasks.bench import hashed_ints
 
-__all__ = ["BenchDecoderTask", "DECODER_ARCHS"]
+__all__ = ["BenchDecoderTask", "DECODER_ARCHS", "decoder_config", "build_decoder"]
 
+# Each arch: its transformers ``model_type`` and the config's arguments (``decoder_config``).
 DECODER_ARCHS: Dict[str, Dict[str, Any]] = {
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                        rope_theta=1000000.0, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                     rope_theta=1000000.0, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
+                       rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False),
+    "tiny": dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=128),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, vocab_size=300, max_position_embeddings=128,
+                         sliding_window=4096, tie_word_embeddings=False),
 }
+
+
+def decoder_config(arch: str):
+    """The transformers config of ``DECODER_ARCHS[arch]`` (``AutoConfig.for_model`` of its model
+    type: ``Qwen2Config``, ``MistralConfig``); no download."""
+    from transformers import AutoConfig
+
+    args = dict(DECODER_ARCHS[arch])
+    return AutoConfig.for_model(args.pop("model_type"), **args)
+
+
+def build_decoder(arch: str, attn_implementation: str = "sdpa", device: Optional[str] = None):
+    """A random-initialized ``AutoModel`` (no LM head) of ``arch``, built on ``device`` (default:
+    torch's default device; ``"cuda"``: the current GPU, where a 7B model initializes in seconds)."""
+    from transformers import AutoModel
+
+    config = decoder_config(arch)
+    config._attn_implementation = attn_implementation
+    if device is None:
+        return AutoModel.from_config(config)
+    with torch.device(device):
+        return AutoModel.from_config(config)
 
 
 class _GeneratedDecoderTowers(nn.Module):
@@ -48,11 +85,8 @@ class _GeneratedDecoderTowers(nn.Module):
 
     def __init__(self, task: "BenchDecoderTask"):
         super().__init__()
-        from transformers import AutoModel, Qwen2Config
-
-        config = Qwen2Config(**DECODER_ARCHS[task.arch])
-        config._attn_implementation = task.attn_implementation
-        model = AutoModel.from_config(config)
+        model = build_decoder(task.arch, task.attn_implementation, None if task.init_device == "cpu" else task.init_device)
+        config = model.config
         if task.liger:
             apply_liger(model)
         self.checkpointing = LayerCheckpointing(model, task.gradient_checkpointing) \
@@ -115,7 +149,8 @@ class BenchDecoderTask(Task):
     """Random-init decoder embedder on generated token ids (see the module docstring).
 
     Args:
-        arch: ``"qwen2-1.5b"`` or ``"tiny"``.
+        arch: a key of ``DECODER_ARCHS``: ``"qwen2-1.5b"``, ``"qwen2-7b"``, ``"mistral-7b"``,
+            ``"tiny"``, ``"tiny-mistral"``.
         seq_len: tokens per text (queries and documents); the longest text with ``min_seq_len``.
         min_seq_len: shortest text (default ``seq_len``: every text has ``seq_len`` tokens, no
             padding). Below ``seq_len``, each text's length is drawn uniformly from ``[min_seq_len,
@@ -131,6 +166,9 @@ class BenchDecoderTask(Task):
         packing: pack each chunk's texts into rows of ``seq_len`` tokens without padding
             (``decoder_step.pack_texts``); ``pack_rows_multiple`` rounds the rows up (default 8).
         liger: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (``pip install liger-kernel``, CUDA).
+        init_device: ``"cpu"`` (default) or ``"cuda"``: where the decoder is built and randomly
+            initialized (the same seed gives every rank the same weights either way; DeepSpeed
+            also broadcasts rank 0's).
     """
 
     name = "bench_decoder"
@@ -138,7 +176,7 @@ class BenchDecoderTask(Task):
     def __init__(self, arch: str = "qwen2-1.5b", seq_len: int = 256, num_negatives: int = 1,
                  lora: Optional[Dict[str, Any]] = None, gradient_checkpointing: Union[bool, str] = True,
                  attn_implementation: str = "sdpa", min_seq_len: Optional[int] = None, packing: bool = False,
-                 pack_rows_multiple: int = 8, liger: bool = False):
+                 pack_rows_multiple: int = 8, liger: bool = False, init_device: str = "cpu"):
         if arch not in DECODER_ARCHS:
             raise ValueError(f"arch must be one of {sorted(DECODER_ARCHS)}, got {arch!r}")
         if seq_len < 1 or seq_len > DECODER_ARCHS[arch]["max_position_embeddings"]:
@@ -153,6 +191,11 @@ class BenchDecoderTask(Task):
         for key, value in (("packing", packing), ("liger", liger)):
             if not isinstance(value, bool):
                 raise ConfigError(f"task.args.{key}: true or false, got {value!r}")
+        if init_device not in ("cpu", "cuda"):
+            raise ConfigError(f"task.args.init_device: \"cpu\" or \"cuda\", got {init_device!r}")
+        if init_device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("task.args.init_device: \"cuda\" needs a CUDA device; none is visible (use \"cpu\")")
+        self.init_device = init_device
         self.arch, self.seq_len, self.min_seq_len, self.num_negatives = arch, seq_len, min_seq_len, num_negatives
         self.lora, self.gradient_checkpointing = lora, gradient_checkpointing
         self.attn_implementation = attn_implementation
@@ -165,12 +208,14 @@ class BenchDecoderTask(Task):
         return {"symmetric": False, "init_logit_scale": math.log(20.0), "learnable_scale": False}
 
     def matmul_params(self) -> int:
-        """``N``: the weights of the decoder blocks' linear layers (q, o: width x width; k, v: width
-        x the key/value width; the gated MLP's three)."""
-        a = DECODER_ARCHS[self.arch]
-        h, inter = a["hidden_size"], a["intermediate_size"]
-        kv = h * a["num_key_value_heads"] // a["num_attention_heads"]
-        return a["num_hidden_layers"] * (h * h * 2 + h * kv * 2 + 3 * h * inter)
+        """``N``: the weights of the decoder blocks' linear layers (q, o: width x the heads' width;
+        k, v: width x the key/value heads' width; the gated MLP's three). Embeddings, norms and
+        biases are not counted (``decoder_step.decoder_matmul_params`` counts a built model)."""
+        c = decoder_config(self.arch)
+        h, inter = c.hidden_size, c.intermediate_size
+        head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        return c.num_hidden_layers * (h * q * 2 + h * kv * 2 + 3 * h * inter)
 
     def model_flops_per_sample(self) -> float:
         """Training FLOPs of one example by the LLM formula (``decoder_step.decoder_flops``; with
@@ -179,13 +224,11 @@ class BenchDecoderTask(Task):
         is the full model's figure with LoRA too (which skips the weight gradients: about 4 N of work
         per token). torch's FLOP counter cannot count SDPA with grouped key/value heads on every
         version."""
-        from transformers import Qwen2Config
-
         lo, hi = self.min_seq_len, self.seq_len
         mean = (lo + hi) / 2
         mean_sq = mean * mean + ((hi - lo + 1) ** 2 - 1) / 12  # E[l^2] of the uniform integers lo..hi
         texts = 2 + self.num_negatives
-        return decoder_flops(Qwen2Config(**DECODER_ARCHS[self.arch]), self.matmul_params(), texts * mean, texts * mean_sq)
+        return decoder_flops(decoder_config(self.arch), self.matmul_params(), texts * mean, texts * mean_sq)
 
     def tokens_per_sample(self) -> float:
         """Real tokens one example puts through the model (its query and its documents), expected."""

@@ -49,8 +49,8 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
     assert both["loss"]["impl"] == "infcl" and both["batch"]["chunk_size"] == "auto"
     assert both["model"] == {"compile": "blocks", "compile_mode": "max-autotune-no-cudagraphs"}
     table = (tmp_path / "results.md").read_text()
-    assert "| infcl | 2 | 8192 | 512 | 0/8 | ok | 2000.0 | 25.1% | 33.5% | 2.048 | 2.0 |" in table
-    assert "| infcl+compile+auto | 2 | 8192 | 256 | 0/8 | ok | 2000.0 | 25.1% | 33.5% | 2.048 | 2.0 |" in table
+    assert "| infcl | 2 | 8192 | 512 | 0/8 | ok | 2000.0 |  | 25.1% | 33.5% | 2.048 | 2.0 |" in table
+    assert "| infcl+compile+auto | 2 | 8192 | 256 | 0/8 | ok | 2000.0 |  | 25.1% | 33.5% | 2.048 | 2.0 |" in table
 
 
 def test_grad_cache_auto_by_option_or_set_is_named_in_the_rows(monkeypatch, tmp_path):
@@ -65,7 +65,7 @@ def test_grad_cache_auto_by_option_or_set_is_named_in_the_rows(monkeypatch, tmp_
     for out, case in ((tmp_path / "a", "infcl_gcauto_tp_4096"), (tmp_path / "b", "infcl_tp_4096")):
         assert json.loads((out / case / "run.json").read_text())["batch"]["grad_cache"] == "auto"
         table = (out / "results.md").read_text()
-        assert "| infcl+gcauto | 1 | 4096 | 512 | 3/8 | ok | 4000.0 | 25.1% | 30.3% | 1.024 | 2.0 |" in table
+        assert "| infcl+gcauto | 1 | 4096 | 512 | 3/8 | ok | 4000.0 |  | 25.1% | 30.3% | 1.024 | 2.0 |" in table
         with open(out / "results.csv") as f:
             row = next(csv.DictReader(f))
         assert row["impl"] == "infcl+gcauto" and row["kept"] == "3/8" and float(row["hfu"]) == pytest.approx(0.3035, abs=1e-4)
@@ -83,3 +83,15 @@ def test_gpu_selection_follows_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(SystemExit, match="names 1 GPU"):
         engine._gpu_selection(2)
+
+
+def test_decoder_rows_give_tokens_per_gpu(monkeypatch, tmp_path):
+    # bench_decoder rows: tokens/s per GPU = samples/s x the task's tokens per example / GPUs.
+    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "4 x Fake GPU", "mem_gib": 80.0})
+    engine.main(["--num-gpus", "4", "--no-search", "--throughput-batch", "16384", "--chunk-size", "64",
+                 "--task", "bench_decoder", "--task-args", '{"arch": "qwen2-7b", "seq_len": 256, "num_negatives": 1}',
+                 "--impls", "infcl", "--out", str(tmp_path)])
+    row = next(csv.DictReader(open(tmp_path / "results.csv")))
+    assert float(row["tokens_per_s_per_gpu"]) == 4000.0 * 768 / 4
+    assert "| infcl | 4 | 16384 | 64 | 0/8 | ok | 1000.0 | 768000 | 25.1% |" in (tmp_path / "results.md").read_text()

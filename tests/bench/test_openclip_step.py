@@ -77,7 +77,7 @@ def test_arguments():
             openclip_step.parse_args(bad + ["--out", "x"])
     assert engine.parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
     assert engine.parse_impl("local") == ("local", [])
-    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options \['auto', 'compile'\]"):
+    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options \['auto', 'ckptauto', 'compile', 'gcauto', 'liger', 'lora', 'nockpt', 'packing'\] or chunkN"):
         engine.parse_impl("infcl+fast")
 
 
