@@ -22,7 +22,9 @@ An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "bl
 ``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
 (``infcl+compile+auto``), ``infcl+gcauto`` (``batch.grad_cache: "auto"``: the chunks whose
 activations fit keep their graph, the rest are replayed; the row's ``kept`` column shows how many
-of the step's chunks were kept, GradCache keeps none); for ``--task bench_decoder`` also ``+liger``,
+of the step's chunks were kept, GradCache keeps none), ``+fp8`` (``model.fp8``: the blocks' linear
+layers in float8, tensorwise scaling; ``+fp8row`` rowwise, ``+fp8auto`` only the layers of
+torchao's size thresholds; needs ``+compile`` and torchao); for ``--task bench_decoder`` also ``+liger``,
 ``+packing``, ``+nockpt`` (no layer checkpointing), ``+ckptauto`` (layer checkpointing only where a
 forward would not fit) and ``+chunkN`` (that case's GradCache chunk), so one command gives the "what
 each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
@@ -94,7 +96,9 @@ def _tokens_per_sample(args) -> Optional[float]:
 IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
                 "liger": "task.args.liger=true", "packing": "task.args.packing=true",
                 "nockpt": "task.args.gradient_checkpointing=false",
-                "ckptauto": "task.args.gradient_checkpointing=auto"}
+                "ckptauto": "task.args.gradient_checkpointing=auto",
+                "fp8": "model.fp8=true", "fp8row": ("model.fp8=true", "model.fp8_recipe=rowwise"),
+                "fp8auto": ("model.fp8=true", "model.fp8_layers=auto")}
 
 
 def parse_impl(spec: str):
@@ -105,7 +109,11 @@ def parse_impl(spec: str):
     if not loss or unknown:
         raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)} "
                          "or chunkN")
-    return loss, [IMPL_OPTIONS[o] if o in IMPL_OPTIONS else f"batch.chunk_size={int(o[5:])}" for o in options]
+    out: List[str] = []
+    for o in options:
+        value = IMPL_OPTIONS[o] if o in IMPL_OPTIONS else f"batch.chunk_size={int(o[5:])}"
+        out.extend(v for v in ((value,) if isinstance(value, str) else value) if v not in out)
+    return loss, out
 
 
 def impl_label(impl: str, run: Dict) -> str:

@@ -77,7 +77,12 @@ def test_arguments():
             openclip_step.parse_args(bad + ["--out", "x"])
     assert engine.parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
     assert engine.parse_impl("local") == ("local", [])
-    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options \['auto', 'compile'\]"):
+    assert engine.parse_impl("infcl+compile+fp8+fp8row") == (
+        "infcl", ["model.compile=blocks", "model.fp8=true", "model.fp8_recipe=rowwise"])
+    assert engine.parse_impl("infcl+compile+fp8auto+chunk016")[1] == [
+        "model.compile=blocks", "model.fp8=true", "model.fp8_layers=auto", "batch.chunk_size=16"]
+    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options "
+                                         r"\['auto', 'ckptauto', 'compile', 'fp8', 'fp8auto', 'fp8row', 'gcauto'"):
         engine.parse_impl("infcl+fast")
 
 
