@@ -96,10 +96,14 @@ def test_check_fp8_names_what_is_missing(monkeypatch):
         fp8_mod.check_fp8(on, 2, "cuda")
 
 
-def test_check_refuses_fp8_on_this_cpu_before_anything_is_built(tmp_path, capsys):
+def test_check_refuses_fp8_on_this_cpu_before_anything_is_built(tmp_path, capsys, monkeypatch):
     """``--check`` (and a run's first checks) say what is missing: torchao in CI, the GPU where
-    torchao is installed."""
+    torchao is installed (the compile toolchain taken as present: a machine without g++ is named
+    by ``model.compile``'s check first)."""
+    from ds_infcl.train import preflight
     from ds_infcl.train.cli import main
+
+    monkeypatch.setattr(preflight, "compile_toolchain_problem", lambda device_type: None)
 
     raw = {**BASE, "model": {"compile": "blocks", "fp8": True}, "output_dir": str(tmp_path / "out")}
     (tmp_path / "run.json").write_text(json.dumps(raw))
