@@ -22,7 +22,9 @@ An impl may carry options of the towers: ``infcl+compile`` (``model.compile: "bl
 ``infcl+auto`` (``batch.chunk_size: "auto"``; the row shows the chunk it chose), both
 (``infcl+compile+auto``), ``infcl+gcauto`` (``batch.grad_cache: "auto"``: the chunks whose
 activations fit keep their graph, the rest are replayed; the row's ``kept`` column shows how many
-of the step's chunks were kept, GradCache keeps none); for ``--task bench_decoder`` also ``+liger``,
+of the step's chunks were kept, GradCache keeps none), ``+fp8`` (``model.fp8``: the blocks' linear
+layers in float8, tensorwise scaling; ``+fp8row`` rowwise, ``+fp8auto`` only the layers of
+torchao's size thresholds; needs ``+compile`` and torchao); for ``--task bench_decoder`` also ``+liger``,
 ``+packing``, ``+nockpt`` (no layer checkpointing), ``+ckptauto`` (layer checkpointing only where a
 forward would not fit), ``+lora`` (LoRA r 16, alpha 32) and ``+chunkN`` (that case's GradCache chunk),
 so one command gives the "what each change gave" table of the decoder step (docs/retrieval.md); ``--set KEY=VALUE`` overrides any
@@ -64,6 +66,7 @@ from typing import Dict, List, Optional
 
 from ds_infcl.bench.openclip_step import ARCHS as OPENCLIP_ARCHS
 from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE, mode_name
+from ds_infcl.bench.engine_impls import impl_label, parse_impl
 from ds_infcl.train.config import apply_overrides
 from ds_infcl.train.dist import free_port
 from ds_infcl.train.metrics import hardware_flops_factor
@@ -92,34 +95,6 @@ def _tokens_per_sample(args) -> Optional[float]:
     from ds_infcl.tasks.base import get_task
 
     return get_task("bench_decoder", json.loads(args.task_args) if args.task_args else {}).tokens_per_sample()
-
-
-# ``+option`` of an impl: run-config overrides (the decoder ones are bench_decoder's task arguments)
-IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
-                "liger": "task.args.liger=true", "packing": "task.args.packing=true",
-                "nockpt": "task.args.gradient_checkpointing=false",
-                "ckptauto": "task.args.gradient_checkpointing=auto",
-                "lora": 'task.args.lora={"r": 16, "alpha": 32}'}
-
-
-def parse_impl(spec: str):
-    """``"infcl+compile+auto"`` -> ``("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])``;
-    ``chunkN`` sets the GradCache chunk of that case to ``N`` (``infcl+nockpt+chunk16``)."""
-    loss, *options = spec.split("+")
-    unknown = [o for o in options if o not in IMPL_OPTIONS and not (o.startswith("chunk") and o[5:].isdigit())]
-    if not loss or unknown:
-        raise ValueError(f"--impls {spec!r}: expected LOSS[+option ...] with options {sorted(IMPL_OPTIONS)} "
-                         "or chunkN")
-    return loss, [IMPL_OPTIONS[o] if o in IMPL_OPTIONS else f"batch.chunk_size={int(o[5:])}" for o in options]
-
-
-def impl_label(impl: str, run: Dict) -> str:
-    """The row's name of ``impl``: the spec, plus ``+gcauto`` when ``--set`` made the case's
-    ``batch.grad_cache`` "auto" (or ``+plain`` when it turned GradCache off)."""
-    grad_cache = run["batch"].get("grad_cache")
-    if grad_cache == "auto" and "gcauto" not in impl.split("+"):
-        return impl + "+gcauto"
-    return impl + "+plain" if grad_cache is False else impl
 
 
 def _launch(cmd, log_path: str, timeout: float, exit_codes=None, env_extra=None):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from ds_infcl.errors import ConfigError  # re-exported: its home before ds_infcl.errors
+from ds_infcl.train.fp8 import validate_fp8_config
 
 __all__ = [
     "ConfigError", "TaskConfig", "LossConfig", "BatchConfig", "ModelConfig", "DataConfig", "TrainConfig",
@@ -106,12 +107,15 @@ class ModelConfig:
     transformer layers) compiled in place with ``torch.compile(dynamic=False)``, parameter names
     and checkpoints unchanged; ``compile_mode`` is ``torch.compile``'s ``mode``, ``default`` or
     ``max-autotune-no-cudagraphs`` (the CUDA-graph modes are refused: per-block graphs overwrite
-    outputs still in use). Not with ZeRO
-    stage 3 (its parameter hooks would run inside the compiled blocks); see
-    ``ds_infcl.train.model.compile_towers``."""
+    outputs still in use). Not with ZeRO stage 3 (its parameter hooks would run inside the compiled
+    blocks); see ``ds_infcl.train.model.compile_towers``. ``fp8``, ``fp8_recipe`` (``"tensorwise"``,
+    ``"rowwise"``), ``fp8_layers`` (``"blocks"``, ``"auto"``): torchao float8 linears, ``train/fp8.py``."""
 
     compile: Union[bool, str] = False
     compile_mode: str = "default"
+    fp8: bool = False
+    fp8_recipe: str = "tensorwise"
+    fp8_layers: str = "blocks"
 
 
 @dataclass
@@ -343,10 +347,8 @@ def run_config_from_dict(raw: Dict[str, Any]) -> RunConfig:
 
 def _validate(cfg: RunConfig) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "logging.tensorboard: true needs the tensorboard package (pip install tensorboard, or "
-            "the ds_infcl[train] extra); install it or set logging.tensorboard false"
-        )
+        raise ConfigError("logging.tensorboard: true needs the tensorboard package (pip install tensorboard, or "
+                          "the ds_infcl[train] extra); install it or set logging.tensorboard false")
     _validate_loss(cfg)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _allowed("checkpoint.export_dtype", cfg.checkpoint.export_dtype, ("float32", "bfloat16", "float16"))
@@ -366,18 +368,16 @@ def _validate(cfg: RunConfig) -> None:
     _allowed("model.compile", cfg.model.compile, (False, True, "blocks"))
     if cfg.model.compile_mode in _CUDA_GRAPH_MODES:
         raise ConfigError(
-            f"model.compile_mode: {cfg.model.compile_mode!r} captures each compiled block in a CUDA graph, and "
-            "a block's graph reuses its output buffers on every replay while the previous replay's outputs are "
-            "still in use (the next block's input, GradCache's saved activations): the run fails at step 1 "
-            "with 'accessing tensor output of CUDAGraphs that has been overwritten' (measured on an H200, "
-            "torch 2.11). Use 'default' or 'max-autotune-no-cudagraphs'")
+            f"model.compile_mode: {cfg.model.compile_mode!r} captures each compiled block in a CUDA graph, and a block's "
+            "graph reuses its output buffers on every replay while the previous replay's outputs are still in use (the "
+            "next block's input, GradCache's saved activations): the run fails at step 1 with 'accessing tensor output "
+            "of CUDAGraphs that has been overwritten' (H200, torch 2.11). Use 'default' or 'max-autotune-no-cudagraphs'")
     _allowed("model.compile_mode", cfg.model.compile_mode, ("default", "max-autotune-no-cudagraphs"))
+    validate_fp8_config(cfg.model)
     if cfg.batch.grad_cache and cfg.batch.chunk_size is None:
         raise ConfigError(f"batch.chunk_size: required when batch.grad_cache is {json.dumps(cfg.batch.grad_cache)}")
     if not cfg.batch.grad_cache and cfg.batch.chunk_size is not None:
-        raise ConfigError(
-            "batch.chunk_size: only used with GradCache; set batch.grad_cache to true or remove it"
-        )
+        raise ConfigError("batch.chunk_size: only used with GradCache; set batch.grad_cache to true or remove it")
     _allowed("data.pin_memory", cfg.data.pin_memory, ["auto", True, False])
     _allowed("batch.gather_params", cfg.batch.gather_params, ["auto", True, False])
     _positive("train.num_steps", cfg.train.num_steps)

@@ -111,9 +111,16 @@ def compile_blocks(towers: nn.Module, *, mode: str = "default") -> List[str]:
     return [name for name, _ in blocks]
 
 
-def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callable[[str], None] = print) -> nn.Module:
-    """Apply the run config's ``model`` section (``compile``, ``compile_mode``) to the task's towers
-    before ``deepspeed.initialize``; returns ``towers`` (compiled in place) and logs what it did.
+def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callable[[str], None] = print,
+                   micro_batch_size: Optional[int] = None) -> nn.Module:
+    """Apply the run config's ``model`` section (``fp8``, ``compile``, ``compile_mode``) to the
+    task's towers before ``deepspeed.initialize``; returns ``towers`` (converted and compiled in
+    place) and logs what it did.
+
+    ``fp8`` first swaps the blocks' linear layers for torchao's float8 ones
+    (``ds_infcl.train.fp8.convert_to_fp8``; ``micro_batch_size``, the rows of one micro-batch,
+    tells it whether the matmuls need padding), so that the compiled blocks trace the float8 casts
+    and fuse them into their neighbours.
 
     Dropout in compiled blocks draws its masks from seeds taken from torch's default generator at
     each call, so GradCache's RNG replay (restore the state, re-encode) reproduces pass 1's masks
@@ -122,10 +129,16 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
 
     Raises:
         ConfigError: compile with ZeRO stage 3 (its per-module parameter gathering hooks would run
-            inside the compiled blocks), or towers without repeated blocks to compile.
+            inside the compiled blocks), or towers without repeated blocks to compile; fp8 with
+            ZeRO stage 3, without torchao, or without a layer to convert.
     """
     from ds_infcl.errors import ConfigError
 
+    if getattr(model_config, "fp8", False):
+        from ds_infcl.train.fp8 import check_fp8_stage, convert_to_fp8
+
+        check_fp8_stage(zero_stage)
+        convert_to_fp8(towers, find_blocks(towers), model_config, micro_batch_size, log)
     setting = model_config.compile
     if setting is False:
         return towers

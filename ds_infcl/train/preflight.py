@@ -9,6 +9,8 @@ built) and in ``--check`` (``dry``: nothing is created or written). It checks:
   machine is there: a C++ compiler on CPU (inductor builds C++ kernels), triton and a C compiler
   on CUDA (triton builds its launcher with one). Without them the first forward would fail inside
   inductor.
+- ``model.fp8`` (``fp8.check_fp8``): not with ZeRO stage 3; torchao installed; a CUDA GPU of compute
+  capability 8.9 or newer.
 - ``output_dir`` and the checkpoint directory are writable (a probe file is written, fsynced and
   removed; a full disk is named as such), so that a run does not train for hours and then fail to
   save.
@@ -37,6 +39,7 @@ import socket
 from typing import Any, Dict, List, Optional
 
 from ds_infcl.errors import ConfigError
+from ds_infcl.train.fp8 import check_fp8
 
 __all__ = ["check_at_load", "check_compile", "compile_toolchain_problem", "check_deepspeed_objects", "check_writable",
            "check_resume", "check_same_schedule", "check_param_shapes"]
@@ -324,6 +327,7 @@ def check_at_load(cfg, ds_config: Dict[str, Any], world_size: int, *, device_typ
     check_deepspeed_objects(prepare_optimizer(resolved, device_type)[0], source)
     zero_stage = int((resolved.get("zero_optimization") or {}).get("stage", 0))
     check_compile(cfg.model, zero_stage, device_type)
+    check_fp8(cfg.model, zero_stage, device_type)
     found = None
     if resume:
         found = _resolve_once(resume, cfg.checkpoint_dir, rank)

@@ -193,7 +193,7 @@ class Trainer:
         cfg = self.cfg
         _seed_all(cfg.train.seed)
         stage = int(self.ds_cfg.get("zero_optimization", {}).get("stage", 0))
-        towers = compile_towers(self.task.build_towers(), cfg.model, stage, self.log)
+        towers = compile_towers(self.task.build_towers(), cfg.model, stage, self.log, self.layout.micro_batch_size)
         model = ContrastiveModel(towers, self.task.build_loss(cfg.loss))
         if found is not None:  # another model than the checkpoint's: said before the engine is built
             check_param_shapes(found, model)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ds_infcl.bench import engine, openclip_step
+from ds_infcl.bench.engine_impls import parse_impl
 
 
 class _StubClip(nn.Module):
@@ -75,10 +76,15 @@ def test_arguments():
     for bad in (["--batch-per-gpu", "6", "--accum-freq", "4"], ["--batch-per-gpu", "0"], ["--batch-per-gpu", "8", "--steps", "0"]):
         with pytest.raises(SystemExit):
             openclip_step.parse_args(bad + ["--out", "x"])
-    assert engine.parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
-    assert engine.parse_impl("local") == ("local", [])
-    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options \['auto', 'ckptauto', 'compile', 'gcauto', 'liger', 'lora', 'nockpt', 'packing'\] or chunkN"):
-        engine.parse_impl("infcl+fast")
+    assert parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
+    assert parse_impl("local") == ("local", [])
+    assert parse_impl("infcl+compile+fp8+fp8row") == (
+        "infcl", ["model.compile=blocks", "model.fp8=true", "model.fp8_recipe=rowwise"])
+    assert parse_impl("infcl+compile+fp8auto+chunk016")[1] == [
+        "model.compile=blocks", "model.fp8=true", "model.fp8_layers=auto", "batch.chunk_size=16"]
+    with pytest.raises(ValueError, match=r"--impls 'infcl\+fast': expected LOSS\[\+option ...\] with options "
+                                         r"\['auto', 'ckptauto', 'compile', 'fp8', 'fp8auto', 'fp8row', 'gcauto'"):
+        parse_impl("infcl+fast")
 
 
 def test_missing_open_clip_says_so(monkeypatch, tmp_path, capsys):
