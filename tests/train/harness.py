@@ -159,3 +159,13 @@ def write_run_config(directory: pathlib.Path, num_steps: int, **sections: dict) 
     path = directory / f"run{len(list(directory.glob('run*.json')))}.json"
     path.write_text(json.dumps(cfg))
     return path
+
+
+def one_run(run_config: dict, ds_config: dict, timeout: int = 300) -> dict:
+    """``tests/train/one_run.py`` in a fresh process (a 1-rank world, no launcher):
+    ``{"steps", "error", "message", "output"}``."""
+    proc = subprocess.run([sys.executable, "-m", "tests.train.one_run", json.dumps(run_config), json.dumps(ds_config)],
+                          capture_output=True, text=True, timeout=timeout, env=env(), cwd=str(REPO))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ONE_RUN ")]
+    assert lines, f"one_run printed no outcome (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {**json.loads(lines[-1][len("ONE_RUN "):]), "output": proc.stdout + proc.stderr}
