@@ -48,7 +48,7 @@ from ds_infcl.train.keep_chunks import KeepChunks
 from ds_infcl.train.model import ContrastiveModel, Encoder, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.profiling import profiled_call
-from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule
+from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule, stage_hints
 from ds_infcl.train.signals import StopOnSignal, StopRun
 from ds_infcl.train.steps import StepResult, check_finite_step, grad_cache_step, uncached_step
 
@@ -236,6 +236,8 @@ class Trainer:
             f"ZeRO stage {engine.zero_optimization_stage()}, loss {cfg.loss.impl}, "
             f"GradCache {_GRAD_CACHE_NAMES[cfg.batch.grad_cache]}, steps {self.start_step}->{cfg.train.num_steps}"
         )
+        for hint in stage_hints(self.ds_cfg, self.world, self.device.type):
+            self.log(hint)
         # grad_cache "auto": how many chunks keep their graph (train/keep_chunks.py), logged there
         self.keep = KeepChunks(cfg.batch, self.layout.num_chunks, self.device, self.log) if cfg.batch.grad_cache else None
         self.gather, why = zero3_gather.decide(cfg.batch.gather_params, engine, self.device, cfg.batch.grad_cache)

@@ -218,3 +218,16 @@ def test_resume_into_another_model_is_refused_before_the_engine(tmp_path):
     assert other.returncode == 2, other.stderr[-3000:]
     assert ("config error: --resume: the checkpoint" in other.stderr and "holds another model than this run builds: "
             "towers.query_tower.net.3.weight: [16, 64] in the checkpoint, [24, 64] now" in other.stderr), other.stderr[-3000:]
+
+
+def test_stage_hints_name_zero1_for_zero2_on_one_gpu_only():
+    from ds_infcl.train.preflight import stage_hints
+
+    zero2 = {"zero_optimization": {"stage": 2}}
+    (hint,) = stage_hints(zero2, 1, "cuda")
+    assert "ZeRO-2 on one GPU" in hint and "ds_configs/zero1.json" in hint
+    assert stage_hints(zero2, 2, "cuda") == []  # partitions over ranks: that is what ZeRO-2 is for
+    assert stage_hints(zero2, 1, "cpu") == []
+    assert stage_hints({"zero_optimization": {"stage": 1}}, 1, "cuda") == []
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert stage_hints(offload, 1, "cuda") == []  # offload needs stage 2
