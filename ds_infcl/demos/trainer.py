@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed-config", default=None, help="default: ds_configs/zero2_fp32.json (digits), zero2.json (synthetic)")
     p.add_argument("--data-dir", default="data/digits", help="digits shards (written on first use)")
     p.add_argument("--output-dir", default=None, help="default: runs/demo_<task>")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir "
+                   "(without it each demo starts a new run there, over the previous demo's checkpoints)")
     args = p.parse_args(argv)
     d = TASKS[args.task]
     # SigLIP's sigmoid loss needs a longer schedule on the digits (450 steps: 95% held-out top-1,
@@ -184,7 +185,9 @@ def main(argv=None) -> int:
     ]
     for kv in d["ds_set"] if args.deepspeed_config is None else []:
         cmd += ["--ds-set", kv]
-    cmd += ["--config", run_path] + (["--resume"] if args.resume else [])
+    # A new demo run each time (--fresh): the previous demo's checkpoints in the same folder would
+    # otherwise make the trainer refuse a fresh start (docs/training.md, "Resume").
+    cmd += ["--config", run_path] + (["--resume"] if args.resume else ["--fresh"])
     print("[demo] " + " ".join(cmd), flush=True)
     t0 = time.time()
     rc = subprocess.call(cmd, env=env)

@@ -1,5 +1,6 @@
 """The demo's run configs pass the trainer's validation and the cross-check with their DeepSpeed
-JSON for 2 ranks (the demo itself runs in the README's `make demo`, not in the suite)."""
+JSON for 2 ranks (the digits demo itself runs in the README's `make demo`, not in the suite), and a
+short synthetic demo runs twice in one folder."""
 
 import json
 import os
@@ -34,3 +35,16 @@ def test_demo_configs_validate(task, tmp_path, capsys):
 def test_unknown_demo_task():
     with pytest.raises(ValueError, match="unknown demo task 'nope'"):
         demo_run_config("out", 1, 2, None, "infcl", "nope")
+
+
+def test_the_demo_runs_again_in_the_same_folder(tmp_path, capsys):
+    """A second ``make demo`` starts a new run over the first one's checkpoints (the trainer refuses
+    a fresh start there unless told), and ``--resume`` of the finished run trains nothing."""
+    from ds_infcl.demos.trainer import main
+
+    args = ["--task", "synthetic", "--num-ranks", "1", "--steps", "2", "--global-batch-size", "16",
+            "--chunk-size", "8", "--output-dir", str(tmp_path / "demo")]
+    assert main(args) == 0
+    assert main(args) == 0, capsys.readouterr().err[-2000:]
+    assert main(args + ["--resume"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
