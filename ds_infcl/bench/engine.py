@@ -231,12 +231,14 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     """One ``ds_infcl.bench.openclip_step`` process (``torchrun`` on several GPUs) in ``mode`` (one of
     ``OPENCLIP_MODES``): a row of the table; status ``no open_clip`` when it cannot be imported."""
     compiled, gc = mode.startswith("compile"), mode.endswith("+gc")
-    tag = (f"openclip_step_{mode.replace('+', '_')}_{batch_per_gpu}" + (f"_accum{accum_freq}" if accum_freq > 1 else ""))
+    loss = args.openclip_loss
+    tag = (f"openclip_step_{'siglip_' if loss == 'siglip' else ''}{mode.replace('+', '_')}_{batch_per_gpu}"
+           + (f"_accum{accum_freq}" if accum_freq > 1 else ""))
     out = os.path.join(args.out, tag)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     module_args = ["-m", "ds_infcl.bench.openclip_step", "--arch", args.arch, "--batch-per-gpu", str(batch_per_gpu),
-                   "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--out", out]
+                   "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--loss", loss, "--out", out]
     module_args += (["--compile"] if compiled else []) + (["--grad-checkpointing"] if gc else [])
     if args.num_gpus > 1:
         torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -247,7 +249,7 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"})
     if status in ("failed", "no open_clip"):
         print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
-    row = _case_row(status, wall, impl=mode_name(compiled, accum_freq, gc), phase="openclip",
+    row = _case_row(status, wall, impl=mode_name(compiled, accum_freq, gc, loss), phase="openclip",
                     global_batch=batch_per_gpu * args.num_gpus, gpus=args.num_gpus,
                     chunk=batch_per_gpu // accum_freq if accum_freq > 1 else "", steps=args.openclip_steps)
     if status == "ok":
@@ -412,6 +414,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "command lines; --openclip-accum-batches is the general form)")
     p.add_argument("--openclip-accum-micro", type=int, default=256, help="openclip_step: micro-batch of the accum_freq runs")
     p.add_argument("--openclip-steps", type=int, default=5, help="openclip_step: timed steps (after 2 warm-up steps)")
+    p.add_argument("--openclip-loss", default="clip", choices=["clip", "siglip"],
+                   help="openclip_step: ClipLoss, or SigLipLoss as open_clip_train's --siglip (beside --impls siglip...)")
     p.add_argument("--st-batch", type=int, default=512, help="st_cached: global batch (pairs) of its timed steps")
     p.add_argument("--st-mini-batch", type=int, default=16, help="st_cached: CachedMNRL's mini_batch_size")
     p.add_argument("--st-steps", type=int, default=2, help="st_cached: timed steps (after a warm-up step)")

@@ -68,6 +68,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="torch.compile the (DDP-wrapped) model, as open_clip_train's --torchcompile does")
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="the towers' activation checkpointing, as open_clip_train's --grad-checkpointing")
+    p.add_argument("--loss", default="clip", choices=["clip", "siglip"],
+                   help="clip: ClipLoss; siglip: SigLipLoss with the learnable bias, as open_clip_train's --siglip "
+                   "(logit scale init log 10, bias init -10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (a compiled step compiles in the first)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--out", required=True, help="folder for summary.json")
@@ -86,10 +89,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def mode_name(compiled: bool, accum_freq: int, grad_checkpointing: bool = False) -> str:
-    """The row name of one OpenCLIP configuration: ``openclip_step [compiled] [accum_freq N]
+def mode_name(compiled: bool, accum_freq: int, grad_checkpointing: bool = False, loss: str = "clip") -> str:
+    """The row name of one OpenCLIP configuration: ``openclip_step [siglip] [compiled] [accum_freq N]
     [grad checkpointing]``, the words its command-line flags would need."""
-    words = ["openclip_step"] + (["compiled"] if compiled else []) + (
+    words = ["openclip_step"] + (["siglip"] if loss == "siglip" else []) + (["compiled"] if compiled else []) + (
         [f"accum_freq {accum_freq}"] if accum_freq > 1 else []) + (["grad checkpointing"] if grad_checkpointing else [])
     return " ".join(words)
 
@@ -141,8 +144,10 @@ def run(args: argparse.Namespace) -> Dict:
     if world > 1:
         dist.init_process_group("nccl", device_id=device)
     torch.manual_seed(0)
+    siglip = args.loss == "siglip"
+    model_kwargs = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0} if siglip else {}
     model = open_clip.create_model(open_clip_model_name(args.arch), pretrained=None, precision="fp32",
-                                   device=device, output_dict=True)
+                                   device=device, output_dict=True, **model_kwargs)
     image_size = model.visual.image_size
     image_size = image_size if isinstance(image_size, int) else image_size[0]
     B, micro = args.batch_per_gpu, args.batch_per_gpu // args.accum_freq
@@ -158,8 +163,15 @@ def run(args: argparse.Namespace) -> Dict:
         if args.grad_checkpointing and world > 1:
             torch._dynamo.config.optimize_ddp = False  # what open_clip_train does for this pair
         model = torch.compile(model)
-    loss_fn = open_clip.loss.ClipLoss(local_loss=world > 1, gather_with_grad=world > 1, cache_labels=True,
-                                      rank=rank, world_size=world)
+    if siglip:  # as open_clip_train's create_loss with --siglip (its default distributed implementation)
+        loss_fn = open_clip.loss.SigLipLoss(rank=rank, world_size=world)
+    else:
+        loss_fn = open_clip.loss.ClipLoss(local_loss=world > 1, gather_with_grad=world > 1, cache_labels=True,
+                                          rank=rank, world_size=world)
+
+    def loss_of(image_features, text_features, out):
+        extra = (out["logit_bias"],) if siglip else ()
+        return loss_fn(image_features, text_features, out["logit_scale"], *extra)
     optimizer = torch.optim.AdamW(_param_groups(raw, 0.2), lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
 
     def autocast():
@@ -174,7 +186,7 @@ def run(args: argparse.Namespace) -> Dict:
         if args.accum_freq == 1:
             with autocast():
                 out = model(images, texts)
-                loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+                loss = loss_of(out["image_features"], out["text_features"], out)
             loss.backward()
         else:
             parts = [(images[i:i + micro], texts[i:i + micro]) for i in range(0, B, micro)]
@@ -188,7 +200,7 @@ def run(args: argparse.Namespace) -> Dict:
                 with autocast():
                     out = model(im, tx)
                     feats = {key: torch.cat(cached[key][:j] + [out[key]] + cached[key][j + 1:]) for key in cached}
-                    loss = loss_fn(feats["image_features"], feats["text_features"], out["logit_scale"])
+                    loss = loss_of(feats["image_features"], feats["text_features"], out)
                 loss.backward()
         optimizer.step()
         with torch.no_grad():
@@ -209,7 +221,7 @@ def run(args: argparse.Namespace) -> Dict:
     if args.profile:  # one more step under the profiler, split by the trainer's rule
         from ds_infcl.train.profiling import format_summary, profiled
 
-        with profiled(args.profile, mode_name(args.compile, args.accum_freq, args.grad_checkpointing), device,
+        with profiled(args.profile, mode_name(args.compile, args.accum_freq, args.grad_checkpointing, args.loss), device,
                       write=rank == 0) as profile:
             step()
         if rank == 0:
@@ -217,8 +229,8 @@ def run(args: argparse.Namespace) -> Dict:
     peak = peak_tflops(device)
     tflops = flops * sps / 1e12
     summary = {
-        "impl": mode_name(args.compile, args.accum_freq, args.grad_checkpointing), "arch": args.arch,
-        "compiled": args.compile, "grad_checkpointing": args.grad_checkpointing, "model": open_clip_model_name(args.arch), "gpus": world,
+        "impl": mode_name(args.compile, args.accum_freq, args.grad_checkpointing, args.loss), "arch": args.arch,
+        "compiled": args.compile, "grad_checkpointing": args.grad_checkpointing, "loss": args.loss, "model": open_clip_model_name(args.arch), "gpus": world,
         "batch_per_gpu": B, "global_batch": B * world, "accum_freq": args.accum_freq, "steps": args.steps,
         "samples_per_s_per_gpu": sps, "step_time_s": seconds / args.steps, "model_flops_per_sample": flops,
         "model_tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,

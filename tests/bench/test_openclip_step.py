@@ -20,13 +20,14 @@ from ds_infcl.bench.engine_impls import parse_impl
 class _StubClip(nn.Module):
     """OpenCLIP's ``CLIP`` interface on two linear towers (image: flattened 3x4x4 pixels)."""
 
-    def __init__(self):
+    def __init__(self, init_logit_scale=2.659, init_logit_bias=None):
         super().__init__()
         self.visual = nn.Linear(48, 8)
         self.visual.image_size = (4, 4)
         self.embed = nn.Embedding(10, 8)
         self.text_proj = nn.Linear(8, 8)
-        self.logit_scale = nn.Parameter(torch.tensor(2.659))
+        self.logit_scale = nn.Parameter(torch.tensor(float(init_logit_scale)))
+        self.logit_bias = None if init_logit_bias is None else nn.Parameter(torch.tensor(float(init_logit_bias)))
         self.vocab_size, self.context_length = 10, 5
         self.grad_checkpointing = False
 
@@ -40,8 +41,11 @@ class _StubClip(nn.Module):
         return nn.functional.normalize(self.text_proj(self.embed(text).mean(1)), dim=-1)
 
     def forward(self, image, text):
-        return {"image_features": self.encode_image(image), "text_features": self.encode_text(text),
-                "logit_scale": self.logit_scale.exp()}
+        out = {"image_features": self.encode_image(image), "text_features": self.encode_text(text),
+               "logit_scale": self.logit_scale.exp()}
+        if self.logit_bias is not None:
+            out["logit_bias"] = self.logit_bias
+        return out
 
 
 class _StubClipLoss(nn.Module):
@@ -55,12 +59,25 @@ class _StubClipLoss(nn.Module):
         return (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
 
 
+class _StubSigLipLoss(nn.Module):
+    """OpenCLIP's SigLipLoss on one process: -mean over rows of sum_j log sigmoid(z_ij (s x_ij + t))."""
+
+    def __init__(self, rank, world_size):
+        super().__init__()
+        assert world_size == 1
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias):
+        logits = logit_scale * image_features @ text_features.T + logit_bias
+        z = 2 * torch.eye(len(logits)) - 1
+        return -nn.functional.logsigmoid(z * logits).sum() / len(logits)
+
+
 @pytest.fixture
 def stub_open_clip(monkeypatch):
     mod = types.ModuleType("open_clip")
     mod.__version__ = "stub"
-    mod.create_model = lambda name, pretrained, precision, device, output_dict: _StubClip().to(device)
-    mod.loss = types.SimpleNamespace(ClipLoss=_StubClipLoss)
+    mod.create_model = lambda name, pretrained, precision, device, output_dict, **kw: _StubClip(**kw).to(device)
+    mod.loss = types.SimpleNamespace(ClipLoss=_StubClipLoss, SigLipLoss=_StubSigLipLoss)
     monkeypatch.setitem(sys.modules, "open_clip", mod)
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -97,7 +114,7 @@ def test_missing_open_clip_says_so(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="open_clip may import here; the row would run")
 def test_engine_row_says_open_clip_is_missing(tmp_path):
-    args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, case_timeout=120, out=str(tmp_path))
+    args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, openclip_loss="clip", case_timeout=120, out=str(tmp_path))
     row = engine._run_openclip_case(args, 8, 1)
     assert row["status"] == "no open_clip" and row["impl"] == "openclip_step" and row["samples_per_s_per_gpu"] == ""
     assert "pip install open_clip_torch" in (tmp_path / "openclip_step_eager_8" / "log.txt").read_text()
@@ -119,6 +136,27 @@ def test_step_on_a_stand_in_open_clip(stub_open_clip, tmp_path):
     # accum_freq 2 computes the same loss and the same summed gradients: the same training
     assert s["losses"][-1] < s["losses"][0] - 0.05  # it trains (lr 0.01)
     assert summaries[2]["losses"] == pytest.approx(s["losses"], rel=1e-2)
+
+
+def test_siglip_step_on_a_stand_in_open_clip(stub_open_clip, tmp_path):
+    """--loss siglip: the model gets open_clip_train's --siglip init (scale log 10, bias -10) and
+    SigLipLoss; accum_freq 2 trains the same; the row says siglip."""
+    made = []
+    create = stub_open_clip.create_model
+    stub_open_clip.create_model = lambda *a, **kw: made.append(create(*a, **kw)) or made[-1]
+    runs = {}
+    for accum in (1, 2):
+        out = tmp_path / f"siglip{accum}"
+        assert openclip_step.main(["--device", "cpu", "--batch-per-gpu", "8", "--accum-freq", str(accum), "--loss",
+                                   "siglip", "--warmup", "0", "--steps", "4", "--lr", "0.01", "--out", str(out)]) == 0
+        runs[accum] = json.loads((out / "summary.json").read_text())
+    assert float(made[0].logit_bias) != -10.0  # trained from its init
+    assert runs[1]["impl"] == "openclip_step siglip" and runs[2]["impl"] == "openclip_step siglip accum_freq 2"
+    assert runs[1]["loss"] == "siglip"
+    # the first loss at init: every pair's logit is 10 x cos - 10, so about 8 x softplus(-10 ...) + diag terms
+    assert 5.0 < runs[1]["losses"][0] < 12.0
+    assert runs[1]["losses"][-1] < runs[1]["losses"][0]
+    assert runs[2]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-2)
 
 
 def test_compiled_and_checkpointed_modes_on_a_stand_in_open_clip(stub_open_clip, tmp_path, monkeypatch):
