@@ -102,7 +102,8 @@ def profiled(out_dir: Optional[str], label: str, device: torch.device, write: bo
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     result: dict = {}
-    with profile(activities=activities, record_shapes=False, with_stack=device.type == "cuda") as prof:
+    # Python stacks (for idle.txt, written only where ``write``) slow every host call: only there.
+    with profile(activities=activities, record_shapes=False, with_stack=bool(write and out_dir) and device.type == "cuda") as prof:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -177,12 +178,19 @@ def idle_report(trace_path: str, min_gap_us: float = 20.0, top: int = 30) -> str
     frames.sort()
     by_frame: Dict[str, float] = {}
     by_owner: Dict[str, float] = {}
-    ours = [f for f in frames if "ds_infcl/" in f[2] or "deepspeed/" in f[2]]
+    # One sweep over the gaps in time order: ``active`` holds the frames that started before the
+    # gap's end and had not ended before an earlier gap's start; a frame that ends before this
+    # gap's start ends before every later gap's too, so it is dropped for good.
+    active: List[Tuple[float, float, str]] = []
+    nxt = 0
     for a, b in gaps:
-        near = [f for f in frames if f[0] < b and f[1] > a]
-        for us, name in _innermost(near, a, b):
+        while nxt < len(frames) and frames[nxt][0] < b:
+            active.append(frames[nxt])
+            nxt += 1
+        active = [f for f in active if f[1] > a]
+        for us, name in _innermost(active, a, b):
             by_frame[name] = by_frame.get(name, 0.0) + us
-        for us, name in _innermost([f for f in ours if f[0] < b and f[1] > a], a, b):
+        for us, name in _innermost([f for f in active if "ds_infcl/" in f[2] or "deepspeed/" in f[2]], a, b):
             by_owner[name] = by_owner.get(name, 0.0) + us
     span = busy[-1][1] - busy[0][0]
     idle = sum(b - a for a, b in gaps)
