@@ -15,8 +15,6 @@ import copy
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 import types
 
@@ -100,12 +98,7 @@ def test_trainer_fp8_trains_like_bf16(tmp_path):
     }
     jobs = [h.job(name, "zero2.json", ds_set, common + extra) for name, extra in cases.items()]
     path = h.write_jobs(tmp_path, jobs)
-    env = {k: v for k, v in h.env().items() if k != "DS_ACCELERATOR"}
-    env["TRITON_INTERPRET"] = "0"
-    proc = subprocess.run([sys.executable, str(h.DRIVER), str(path)], capture_output=True, text=True, timeout=1200,
-                          env=env, cwd=h.REPO)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
+    log = h.run_jobs_on_gpu(path, timeout=1200)
     print("\n".join(line for line in log.splitlines() if "model.fp8" in line))
     assert "model.fp8: 24 of 26 linear layers in float8 (tensorwise scaling" in log
     assert "model.fp8: 24 of 26 linear layers in float8 (rowwise scaling" in log
@@ -144,12 +137,7 @@ def test_digits_accuracy_within_one_point(tmp_path, task):
     jobs = [dict(h.job(name, "zero2.json", ds_set, ["model.compile=blocks"] + extra), config=str(tmp_path / "run.json"))
             for name, extra in (("bf16", []), ("fp8", ["model.fp8=true"]))]
     path = h.write_jobs(tmp_path, jobs)
-    env = {k: v for k, v in h.env().items() if k != "DS_ACCELERATOR"}
-    env["TRITON_INTERPRET"] = "0"
-    proc = subprocess.run([sys.executable, str(h.DRIVER), str(path)], capture_output=True, text=True, timeout=1200,
-                          env=env, cwd=h.REPO)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
+    log = h.run_jobs_on_gpu(path, timeout=1200)
     top1 = {name: h.summary(tmp_path / name)["eval"]["zero_shot_top1"] for name in ("bf16", "fp8")}
     print(f"\n{task} digits, held-out zero-shot top-1: bf16 {100 * top1['bf16']:.1f}%, float8 {100 * top1['fp8']:.1f}%; "
           + next((line for line in log.splitlines() if "model.fp8:" in line), "no model.fp8 line"))

@@ -79,6 +79,18 @@ def run_jobs(jobs_path: pathlib.Path, num_ranks: int, timeout: int = 900) -> Non
         raise AssertionError(f"{' '.join(cmd)} failed ({rc}):\n" + log.read_text()[-6000:])
 
 
+def run_jobs_on_gpu(jobs_path: pathlib.Path, timeout: int = 900) -> str:
+    """Run a jobs file in one process on this machine's GPU (the CUDA accelerator and the compiled
+    Triton kernels, not the CPU test environment); the log of the run, which must succeed."""
+    gpu_env = {k: v for k, v in env().items() if k != "DS_ACCELERATOR"}
+    gpu_env["TRITON_INTERPRET"] = "0"
+    proc = subprocess.run([sys.executable, str(DRIVER), str(jobs_path)], capture_output=True, text=True,
+                          timeout=timeout, env=gpu_env, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    return log
+
+
 def start(cmd: List[str], log) -> subprocess.Popen:
     """Start a launcher in its own process group (so that a timeout can end its ranks too)."""
     return subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
