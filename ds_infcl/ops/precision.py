@@ -61,7 +61,7 @@ def cast_for_autocast(*tensors):
     dtype = next((autocast_dtype(t) for t in tensors if torch.is_tensor(t)), None)
     if dtype is None:
         return tensors
-    return tuple(t.to(dtype) if torch.is_tensor(t) and t.dtype in _CASTABLE else t for t in tensors)
+    return tuple(_cast(t, dtype) for t in tensors)
 
 
 def follows_autocast(*names: str) -> Callable:

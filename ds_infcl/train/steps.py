@@ -92,9 +92,11 @@ def check_finite_step(engine, loss: float, step: int) -> None:
     every gradient tensor for NaN/Inf one by one at each optimizer step and skips the update when
     one is found; that loop costs tens of milliseconds of host time per step (measured on an H100,
     docs/training.md), so the shipped bf16 configs turn it off. Then a non-finite gradient is
-    applied; the global norm that gradient clipping computes anyway (already on the host) tells,
-    and the run stops here with the step named instead of training on from broken weights.
-    Without clipping DeepSpeed computes no norm, and the loss check of the next step stops it."""
+    applied; the global gradient norm DeepSpeed computes at every step anyway (ZeRO 1/2, with or
+    without clipping; already on the host, a NaN norm reported as inf) tells, and the run stops
+    here with the step named instead of training on from broken weights. ZeRO-3 skips such an
+    update itself whatever the setting (``was_step_applied`` is then false: nothing to stop).
+    An engine that reports no norm leaves it to the loss check of the next step."""
     if not math.isfinite(loss):
         raise FloatingPointError(f"step {step}: loss is {loss}; stopping (lower the learning rate, check fp16 scaling)")
     norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
