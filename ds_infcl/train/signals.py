@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["StopOnSignal", "StopRun", "GRACE_S", "SIGNALS"]
+__all__ = ["StopOnSignal", "StopRun", "Vote", "GRACE_S", "SIGNALS"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 30.0
@@ -78,6 +78,28 @@ def _prctl_pdeathsig(signum: int) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
     except (OSError, AttributeError):  # not Linux
         return False
+
+
+class Vote:
+    """A stop vote in flight (``StopOnSignal.vote``)."""
+
+    def __init__(self, stop: "StopOnSignal", flag, work, event):
+        self.stop, self.flag, self.work, self.event = stop, flag, work, event
+
+    def agreed(self) -> bool:
+        """Whether any rank had a signal when the vote was queued (one rank: has one now); the
+        agreed signal is then ``stop.signum``."""
+        if self.flag is None:
+            value = self.stop.requested()
+        else:
+            if self.work is not None:
+                self.work.wait()
+            if self.event is not None:
+                self.event.synchronize()
+            value = int(self.flag[0])
+        if value:
+            self.stop.signum = value
+        return bool(value)
 
 
 class StopOnSignal:
@@ -195,3 +217,23 @@ class StopOnSignal:
         if value:
             self.signum = value
         return bool(value)
+
+    def vote(self, group=None, device=None) -> "Vote":
+        """``agree`` in two halves, for a loop that must not wait for the device at each step
+        (``train/inflight.py``): the collective is queued now, behind the steps launched so far,
+        and ``Vote.agreed()`` reads it, after the caller has launched the next step (on CUDA it
+        then waits for the earlier steps alone). Every rank votes at the same step boundaries.
+        With one rank nothing is queued: ``agreed()`` reads this rank's flag when called."""
+        import torch
+        import torch.distributed as tdist
+
+        if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(group) > 1):
+            return Vote(self, None, None, None)
+        flag = torch.tensor([self._mine], dtype=torch.int32, device=device)
+        if flag.device.type != "cuda":
+            return Vote(self, flag, tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group, async_op=True), None)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)  # NCCL: queued, the host goes on
+        staged = flag.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Vote(self, staged, None, event)

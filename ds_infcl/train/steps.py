@@ -50,7 +50,7 @@ DeepSpeed's loss scaling applies.
 
 from __future__ import annotations
 
-import math
+import random
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -62,18 +62,20 @@ from ds_infcl.tasks.base import Batch
 
 __all__ = [
     "StepResult", "uncached_step", "grad_cache_step", "move_batch", "ChunkFeed", "copy_stream_of",
-    "get_rng_state", "set_rng_state", "check_finite_step",
+    "get_rng_state", "set_rng_state", "seed_all", "place_batch",
 ]
 
 
 @dataclass
 class StepResult:
-    """What a step did: its loss, the DeepSpeed micro-steps it ran, the chunks of the local batch
+    """What a step did: its loss (a 0-dim tensor where the step ran: reading it with ``float``
+    waits for the step's kernels, so the trainer reads it one step late, ``train/inflight.py``),
+    the DeepSpeed micro-steps it ran, the chunks of the local batch
     and how many kept the graph of their first forward (``grad_cache: "auto"``; the plain step's
     one chunk counts as kept, GradCache keeps none), and on CUDA the bytes the first kept chunk
     held (``ds_infcl.train.keep_chunks`` sizes the hybrid with it)."""
 
-    loss: float
+    loss: torch.Tensor
     num_micro_steps: int
     num_chunks: int = 1
     num_kept: int = 1
@@ -85,29 +87,29 @@ class StepResult:
         return (self.num_chunks - self.num_kept) / self.num_chunks
 
 
-def check_finite_step(engine, loss: float, step: int) -> None:
-    """Stop on a non-finite loss, or on a non-finite gradient norm that DeepSpeed applied.
+def seed_all(seed: int) -> None:
+    """Python's, torch's and (if installed) numpy's RNG seeded from ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
 
-    With bf16, DeepSpeed's own overflow check (``bf16.check_grad_overflow``, on by default) tests
-    every gradient tensor for NaN/Inf one by one at each optimizer step and skips the update when
-    one is found; that loop costs tens of milliseconds of host time per step (measured on an H100,
-    docs/training.md), so the shipped bf16 configs turn it off. Then a non-finite gradient is
-    applied; the global gradient norm DeepSpeed computes at every step anyway (ZeRO 1/2, with or
-    without clipping; already on the host, a NaN norm reported as inf) tells, and the run stops
-    here with the step named instead of training on from broken weights. ZeRO-3 skips such an
-    update itself whatever the setting (``was_step_applied`` is then false: nothing to stop).
-    An engine that reports no norm leaves it to the loss check of the next step."""
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"step {step}: loss is {loss}; stopping (lower the learning rate, check fp16 scaling)")
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-    if norm is None or not hasattr(engine, "was_step_applied") or not engine.was_step_applied():
-        return
-    norm = float(norm)
-    if not math.isfinite(norm):
-        raise FloatingPointError(
-            f"step {step}: the gradient norm is {norm} and the update was applied (bf16.check_grad_overflow is "
-            "false), so the weights may now hold NaN/Inf; stopping. Resume from the last checkpoint (--resume) with "
-            "a lower learning rate, or set bf16.check_grad_overflow true in the DeepSpeed config to skip such steps")
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def place_batch(batch: Batch, device: torch.device, offload: bool, pin_memory) -> Batch:
+    """Data offload (``data.offload``, ``data.pin_memory``): keep the local batch on the host
+    (pinned on CUDA) for chunk-by-chunk copies, or (``offload`` false) move all of it to the
+    device now."""
+    if device.type != "cuda":
+        return batch
+    if not offload:
+        return batch.map(lambda t: t.to(device, non_blocking=True))
+    if pin_memory in ("auto", True):  # (a task that decodes on the device hands over device tensors)
+        batch = batch.map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+    return batch
 
 
 def get_rng_state(device: torch.device):
@@ -242,7 +244,7 @@ def uncached_step(engine, batch: Batch, device: torch.device) -> StepResult:
     loss, _, _ = engine("loss", chunk.query_inputs, chunk.key_inputs, _loss_kwargs(engine, batch, device))
     engine.backward(loss)
     engine.step()
-    return StepResult(float(loss.detach()), 1)
+    return StepResult(loss.detach(), 1)
 
 
 def _feature_gradients(loss_module, query, key, loss_kwargs, names, values):
@@ -317,7 +319,7 @@ def grad_cache_step(
         del surrogate
         engine.step()
     set_rng_state(cache.rng_after, device)
-    return StepResult(float(cache.loss), len(chunks), len(chunks), num_kept, cache.kept_bytes)
+    return StepResult(cache.loss.detach(), len(chunks), len(chunks), num_kept, cache.kept_bytes)
 
 
 @dataclass
@@ -478,7 +480,7 @@ def _grad_cache_gathered(engine, batch: Batch, chunks, device: torch.device, ver
         buffers.sums = []
     engine.step()
     set_rng_state(cache.rng_after, device)
-    return StepResult(float(cache.loss), 1, len(chunks), num_kept, cache.kept_bytes)
+    return StepResult(cache.loss.detach(), 1, len(chunks), num_kept, cache.kept_bytes)
 
 
 def _check_replay(i, q, q_cached, k, k_cached) -> None:

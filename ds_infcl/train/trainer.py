@@ -6,11 +6,15 @@
 
 - ``__init__``: the process group, the checks of ``train/preflight.py``, the DeepSpeed config and
   optimizer, the task, the model, the engine, a resume, the metrics logger, the data stream.
-- ``train_step()``: one optimizer step (``forward_backward_step`` runs the step of
-  ``train/steps.py``: uncached or GradCache), timed, checked for a finite loss and logged.
-- ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules.
-- ``stop_requested()``: whether any rank got SIGTERM/SIGINT/SIGHUP or lost its launcher; then all
-  save there (``checkpoint.on_signal``) and ``fit`` raises ``StopRun`` (exit 128 + the signal).
+- ``train_step()``: launch one optimizer step (``forward_backward_step`` runs the step of
+  ``train/steps.py``: uncached or GradCache), then read the step before it: timed, checked for a
+  finite loss and gradient norm, logged (``train/inflight.py``: the host never waits for the GPU
+  to drain between steps).
+- ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules,
+  after every step in flight was read.
+- A stop vote at every step boundary (``StopOnSignal.vote``): when any rank got
+  SIGTERM/SIGINT/SIGHUP or lost its launcher, all save after the step in flight
+  (``checkpoint.on_signal``) and ``fit`` raises ``StopRun`` (exit 128 + the signal).
 - ``close()``: the progress watchdog stopped, the data stream closed, the metrics logger closed,
   the engine destroyed. ``__exit__`` runs it, so a step that raises leaves no watchdog thread
   behind in a caller that catches the error (a benchmark loop, a notebook, the tests).
@@ -25,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import sys
 import time
 import traceback
@@ -44,13 +47,14 @@ from ds_infcl.train.export import export_model, save_params, write_run_files
 from ds_infcl.train.metrics import (
     MetricsLogger, model_flops_per_sample, peak_memory_mib, peak_tflops, sum_over_ranks, utilization,
 )
+from ds_infcl.train.inflight import InFlight, Launched, check_finite_values
 from ds_infcl.train.keep_chunks import KeepChunks
 from ds_infcl.train.model import ContrastiveModel, Encoder, compile_towers
 from ds_infcl.train.optim import prepare_optimizer
 from ds_infcl.train.profiling import profiled_call
 from ds_infcl.train.preflight import check_at_load, check_param_shapes, check_same_schedule, stage_hints
 from ds_infcl.train.signals import StopOnSignal, StopRun
-from ds_infcl.train.steps import StepResult, check_finite_step, grad_cache_step, uncached_step
+from ds_infcl.train.steps import StepResult, grad_cache_step, place_batch, seed_all, uncached_step
 
 __all__ = ["Trainer", "TrainSummary", "Encoder"]
 
@@ -80,29 +84,6 @@ class TrainSummary:
     hfu: Optional[float] = None  # hardware FLOPs utilization: replays and recompute counted too (metrics.py)
     kept_chunks: Optional[int] = None  # chunks per step that kept their graph (the last step's)
     replayed_fraction: float = 0.0  # share of the local batch encoded twice (the last step's)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def _place(batch: Batch, cfg: RunConfig, device: torch.device) -> Batch:
-    """Data offload: keep the local batch on the host (pinned on CUDA) for chunk-by-chunk copies,
-    or (``data.offload: false``) move all of it to the device now."""
-    if device.type != "cuda":
-        return batch
-    if not cfg.data.offload:
-        return batch.map(lambda t: t.to(device, non_blocking=True))
-    if cfg.data.pin_memory in ("auto", True):  # (a task that decodes on the device hands over device tensors)
-        batch = batch.map(lambda t: t.pin_memory() if t.device.type == "cpu" else t)
-    return batch
 
 
 _GRAD_CACHE_NAMES = {True: "on", False: "off", "auto": "auto (the first chunks keep their graph, the rest are replayed)"}
@@ -191,7 +172,7 @@ class Trainer:
         import deepspeed
 
         cfg = self.cfg
-        _seed_all(cfg.train.seed)
+        seed_all(cfg.train.seed)
         stage = int(self.ds_cfg.get("zero_optimization", {}).get("stage", 0))
         towers = compile_towers(self.task.build_towers(), cfg.model, stage, self.log, self.layout.micro_batch_size)
         model = ContrastiveModel(towers, self.task.build_loss(cfg.loss))
@@ -204,7 +185,7 @@ class Trainer:
             config=self.ds_cfg,
         )
         self.engine.module.loss.group = self.engine.data_parallel_group
-        _seed_all(cfg.train.seed + 1 + 7919 * self.rank)
+        seed_all(cfg.train.seed + 1 + 7919 * self.rank)
 
     def _resume(self, resume: Optional[str], found):
         """``(start_step, samples)``: from the checkpoint ``found`` (resolved, and its world size
@@ -268,6 +249,7 @@ class Trainer:
         # Activation checkpointing's recomputed share of the forward (the task says), for the HFU.
         self.recompute_fraction = float(self.task.recomputed_forward_fraction())
         self.last_result: Optional[StepResult] = None
+        self.inflight = InFlight(self.device, self._settled)
         self.peak = peak_tflops(self.device, cfg.logging.peak_tflops)
         self.engine.train()
         self.watchdog = ProgressWatchdog(cfg.dist.timeout_s, rank) if self.world > 1 else None
@@ -276,59 +258,83 @@ class Trainer:
 
     def fit(self) -> TrainSummary:
         """Steps up to ``train.num_steps``, each followed by its evaluation and checkpoint when
-        due; then the summary (the final export and ``summary.json`` included)."""
+        due; then the summary (the final export and ``summary.json`` included). The stop vote of a
+        boundary is queued before the next step is launched and read after it (``agreed``), so
+        neither waits for the GPU; a stop then saves after that step."""
         while self.step < self.cfg.train.num_steps:
+            vote = self.stop.vote(device=self.device)
             self.train_step()
-            self.maybe_eval()
-            if self.stop_requested():
+            if vote.agreed():
+                self.inflight.settle()
                 tag = self.maybe_checkpoint(force=self.cfg.checkpoint.on_signal)
                 self._close_logger()
                 raise StopRun(self.stop.signum, self.step, tag)
+            self.maybe_eval()
             self.maybe_checkpoint()
+        self.inflight.settle()
         return self.finish()
-
-    def stop_requested(self) -> bool:
-        """Whether any rank got a stop signal (a collective: every rank calls it at the step boundary)."""
-        return self.stop.agree(device=self.device)
 
     def beat(self) -> None:
         """Progress made: the watchdog's clock restarts."""
         if self.watchdog is not None:
             self.watchdog.beat()
 
-    def train_step(self) -> StepResult:
-        """One optimizer step on the next batch: timed, its loss checked for a finite value, logged."""
-        cfg, device, batch_size = self.cfg, self.device, self.layout.global_batch_size
+    def train_step(self) -> Launched:
+        """Launch one optimizer step on the next batch, then read the one before it
+        (``_settled``: timed, checked for finite values, logged). Returns the launched step."""
+        cfg, device = self.cfg, self.device
         lrs = self.engine.get_lr()
         lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
-        batch = _place(as_batch(next(self.data)), cfg, device)
+        batch = place_batch(as_batch(next(self.data)), device, cfg.data.offload, cfg.data.pin_memory)
         if self.flops_per_sample is None and self.step == self.start_step:
             known = self.task.model_flops_per_sample()  # a task that knows its FLOPs says so
             self.flops_per_sample = float(known) if known is not None else \
                 model_flops_per_sample(self.engine, batch, device, self.log)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.time()
-        if self.step + 1 == cfg.logging.profile_step:  # under torch.profiler, to <output_dir>/profile
-            result = profiled_call(self.forward_backward_step, batch, out_dir=os.path.join(cfg.output_dir, "profile"),
-                                   label=f"step {self.step + 1}", device=device, rank=self.rank, log=self.log)
-        else:
-            result = self.forward_backward_step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.time() - t0
+        self.inflight.start_clock()
+        try:
+            if self.step + 1 == cfg.logging.profile_step:  # under torch.profiler, to <output_dir>/profile
+                result = profiled_call(self.forward_backward_step, batch, label=f"step {self.step + 1}",
+                                       out_dir=os.path.join(cfg.output_dir, "profile"), device=device, rank=self.rank,
+                                       log=self.log)
+            else:
+                result = self.forward_backward_step(batch)
+        except Exception:
+            self.inflight.settle()  # a step in flight that went wrong (a NaN update) is the cause: its error first
+            raise
         self.step += 1
-        self.samples += batch_size
-        if self.step > self.start_step + 1 or self.step == cfg.train.num_steps:  # the first step includes warm-up
-            self.train_time += dt
+        self.samples += self.layout.global_batch_size
+        engine = self.engine
+        values = {"loss": result.loss,
+                  "grad_norm": engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None}
+        if self._logs(self.step):
+            values["logit_scale"] = self._logit_scale_tensor()
+        applied = bool(engine.was_step_applied()) if hasattr(engine, "was_step_applied") else False
+        launched = self.inflight.stage(self.step, result, values, lr=lr_applied, applied=applied, samples=self.samples)
+        self.inflight.settle(keep=1)
+        return launched
+
+    def _logs(self, step: int) -> bool:
+        return step % self.cfg.logging.every_steps == 0 or step == self.cfg.train.num_steps
+
+    def _settled(self, launched: Launched, values: Dict[str, Optional[float]], seconds: float) -> None:
+        """A step read back (``InFlight``): its time counted (not the first step's, which includes
+        the warm-up, unless it is the only one), its values checked and logged."""
+        step, batch_size = launched.step, self.layout.global_batch_size
+        if step > self.start_step + 1 or step == self.cfg.train.num_steps:
+            self.train_time += seconds
             self.timed_samples += batch_size
         self.beat()
-        self.losses.append(result.loss)
-        check_finite_step(self.engine, result.loss, self.step)
-        if self.step % cfg.logging.every_steps == 0 or self.step == cfg.train.num_steps:
-            self._log_step(result, lr_applied, dt)
+        self.losses.append(values["loss"])
+        check_finite_values(step, values["loss"], values["grad_norm"], launched.extra["applied"])
+        if self._logs(step):
+            ls = values["logit_scale"]
+            self.logger.log_train({
+                "step": step, "loss": values["loss"], "logit_scale": ls, "scale": self._scale_of(ls),
+                "lr": launched.extra["lr"], "samples_per_s": batch_size / seconds if seconds > 0 else float("nan"),
+                "step_time_s": seconds, "peak_mem_mib": peak_memory_mib(self.device), "samples": launched.extra["samples"],
+                **self._utilization(batch_size / seconds if seconds > 0 else float("nan"), launched.result),
+            })
         self.logger.advance()
-        return result
 
     def forward_backward_step(self, batch: Batch) -> StepResult:
         """Forward, backward and optimizer step of ``batch`` (GradCache's chunked protocol or one
@@ -347,23 +353,16 @@ class Trainer:
         self.last_result = result
         return result
 
-    def _logit_scale(self) -> float:
+    def _logit_scale_tensor(self) -> torch.Tensor:
         with torch.no_grad():
-            return float(self.engine("logit_scale").float())
+            return self.engine("logit_scale").float()
+
+    def _logit_scale(self) -> float:
+        return float(self._logit_scale_tensor())
 
     def _scale_of(self, logit_scale: float) -> float:
         """The scale the loss applies: ``exp(logit_scale)`` clamped as the loss module clamps it."""
         return math.exp(min(logit_scale, getattr(self.engine.module.loss, "max_logit_scale", math.inf)))
-
-    def _log_step(self, result: StepResult, lr_applied: float, dt: float) -> None:
-        batch_size = self.layout.global_batch_size
-        ls = self._logit_scale()
-        self.logger.log_train({
-            "step": self.step, "loss": result.loss, "logit_scale": ls, "scale": self._scale_of(ls),
-            "lr": lr_applied, "samples_per_s": batch_size / dt, "step_time_s": dt,
-            "peak_mem_mib": peak_memory_mib(self.device), "samples": self.samples,
-            **self._utilization(batch_size / dt, result),
-        })
 
     def _utilization(self, samples_per_s: float, result: StepResult) -> Dict[str, Any]:
         """Model TFLOP/s per GPU, MFU, HFU (``metrics.utilization``) at ``samples_per_s`` of steps
@@ -379,6 +378,7 @@ class Trainer:
         is_last = step == cfg.train.num_steps
         if not ((cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or (is_last and cfg.eval.at_end)):
             return None
+        self.inflight.settle()
         self.engine.eval()
         self.eval_metrics = self.task.evaluate(self.encoder, step)
         self.engine.train()
@@ -396,6 +396,7 @@ class Trainer:
         due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (is_last and cfg.checkpoint.at_end)
         if not (due or force):
             return None
+        self.inflight.settle()  # every step before it checked: no checkpoint holds a non-finite update
         run_state = {
             "step": step, "samples": self.samples, "task_state": self.task.state_dict(),
             "world_size": self.world, "global_batch_size": self.layout.global_batch_size,

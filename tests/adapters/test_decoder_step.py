@@ -147,7 +147,7 @@ def test_packing_in_a_grad_cache_step(dirs):
                       loss_inputs={"key_ids": text_ids(texts_d)})
         engine = FakeEngine(model, gas=3)
         result = grad_cache_step(engine, batch, 2, torch.device("cpu"), verify_replay=True)
-        out[packing] = (result.loss, engine.step_grads)
+        out[packing] = (float(result.loss), engine.step_grads)
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-4, atol=2e-5, msg=name)

@@ -5,8 +5,9 @@
 With ``torch.cuda.set_sync_debug_mode("warn")`` every operation that makes the host wait for the
 device (an ``.item()``, a ``bool`` of a device tensor, a blocking copy) warns. A step of 2 chunks
 and a step of 8 chunks over the same local batch must warn the same number of times: what a step
-synchronizes (the loss read back once, the loss's input checks) does not depend on the number of
-chunks, so nothing inside the loop over chunks waits for the GPU. The stand-in engine of
+synchronizes (the loss's input checks) does not depend on the number of
+chunks, so nothing inside the loop over chunks waits for the GPU. (The step no longer reads its loss back:
+the trainer reads it one step late, ``train/inflight.py``; the second test counts the trainer's steps.) The stand-in engine of
 ``tests/train/test_steps.py`` keeps DeepSpeed's own work out of the count.
 """
 
@@ -59,4 +60,36 @@ def test_syncs_do_not_grow_with_the_chunks(copy_stream):
     few, many = _syncs(2, copy_stream), _syncs(8, copy_stream)
     print(f"copy_stream={copy_stream}: {few} synchronizing operations with 2 chunks, {many} with 8")
     assert few == many, (few, many)
-    assert few >= 1  # the loss is read back once: the count sees synchronizations at all
+    assert few >= 1  # the loss's input checks read values back once: the count sees synchronizations at all
+
+
+def _trainer_syncs(ds_config: str, grad_cache) -> dict:
+    """``tests/gpu/trainer_syncs.py`` in a fresh process (a 1-rank world on this GPU)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TRITON_INTERPRET": "0"}
+    env.pop("DS_ACCELERATOR", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.trainer_syncs", str(repo / "ds_configs" / ds_config),
+                           json.dumps(grad_cache)], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRAINER_SYNCS ")]
+    assert lines, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("TRAINER_SYNCS "):])
+
+
+@pytest.mark.parametrize("ds_config", ["zero1.json", "zero2.json"])
+@pytest.mark.parametrize("grad_cache", [False, "auto", True])
+def test_the_trainer_does_not_wait_for_the_gpu_between_steps(ds_config, grad_cache):
+    """Steady-state steps of the trainer (train/inflight.py): nothing in ds_infcl/train makes the
+    host wait for the device (no per-step ``synchronize`` for the timing, no read of the loss or
+    the gradient norm right after the step, no blocking stop vote); the one wait is the settle of
+    the step before, on its event, after the next step is launched. What remains is printed: the
+    loss's input checks (one read per loss call) and DeepSpeed's own."""
+    got = _trainer_syncs(ds_config, grad_cache)
+    print(f"{ds_config} grad_cache={grad_cache}: per {got['steps']} steps {got['sources']}")
+    ours = {src: n for src, n in got["sources"].items() if src.startswith("ds_infcl/train/") and "inflight.py" not in src}
+    assert not ours, ours

@@ -1,0 +1,152 @@
+"""Steps in flight: the trainer reads a step's values (loss, gradient norm, logged scale) one
+step late, so the host never waits for the GPU to drain between steps.
+
+A host read of a device value (``float(loss)``) waits for every kernel queued before it. Read at
+the end of each step, as the trainer did until 2026-11-28 (with a ``torch.cuda.synchronize``
+around each step for its timing), it empties the GPU's queue; the GPU then idles while the host
+runs the start of the next step (the data, the first launches) and wherever the host is slower
+than the GPU (DeepSpeed's per-parameter work in the optimizer step: a norm per gradient, the
+update of the bf16 weights). Without the read, the host runs ahead during the forward and
+backward, whose kernels take longer than their launches, and the host-heavy stretches use up
+that lead instead of idling the GPU. That is how OpenCLIP's loop runs (it reads the loss only
+to log it).
+
+So at the end of each step the trainer stages the step's values: one ``torch.stack`` of them on
+the device, an asynchronous copy to pinned host memory and a CUDA event, all queued after the
+step. It then launches the next step and only after that settles the previous one: the event's
+``synchronize`` waits for that step's kernels alone while the next step's are queued behind
+them. A read of a tensor instead (``.item()``, ``.tolist()``) would queue its copy after the next
+step and wait for it too.
+
+Settling a step runs the trainer's callback with its values and its time: the time from the
+settle of the step before (or from the clock's start: the first launch after the device was
+idle) to the event's completion as the host saw it. When the GPU is the slower side that is the
+step's GPU time; when the host is, the host's.
+
+Everything is settled (``settle()``) before an evaluation, a checkpoint, a stop and the end of
+the run, so a checkpoint is written only after every step before it was checked (a non-finite
+loss or an applied non-finite gradient norm raises, naming its step), and the metrics rows match
+the steps done. A non-finite step is therefore found one step late: the step after it has run
+(and been applied) by then, which no checkpoint ever holds.
+
+On the CPU nothing is asynchronous: the staged values are the values, the clock the wall clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
+
+import torch
+
+__all__ = ["Launched", "InFlight", "check_finite_values"]
+
+Number = Union[float, int]
+
+
+@dataclass
+class Launched:
+    """A step whose kernels are queued: its number, what ``forward_backward_step`` returned (its
+    ``loss`` a 0-dim tensor), the staged values (see ``InFlight.stage``) and anything the caller
+    wants back at the settle (``extra``: the lr it ran at, ...)."""
+
+    step: int
+    result: Any
+    names: List[str]
+    staged: Optional[torch.Tensor]
+    event: Optional["torch.cuda.Event"]
+    known: Dict[str, Optional[Number]]
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def values(self) -> Dict[str, Optional[float]]:
+        """The staged values as floats (after the event: the caller synchronized it)."""
+        out = dict(self.known)
+        if self.staged is not None:
+            out.update(zip(self.names, self.staged.tolist()))
+        return out
+
+
+def check_finite_values(step: int, loss: float, grad_norm: Optional[float], applied: bool) -> None:
+    """Stop on a non-finite loss, or on a non-finite gradient norm that DeepSpeed applied.
+
+    With bf16, DeepSpeed's own overflow check (``bf16.check_grad_overflow``, on by default) tests
+    every gradient tensor for NaN/Inf one by one at each optimizer step and skips the update when
+    one is found; that loop costs tens of milliseconds of host time per step (measured on an H100,
+    docs/training.md), so the shipped bf16 configs turn it off. Then a non-finite gradient is
+    applied; the global gradient norm DeepSpeed computes at every step anyway (ZeRO 1/2, with or
+    without clipping; a NaN norm reported as inf) tells, and the run stops here with the step
+    named instead of training on from broken weights. ZeRO-3 skips such an update itself whatever
+    the setting (``applied`` is then false: nothing to stop). An engine that reports no norm
+    (``grad_norm`` ``None``) leaves it to the loss check of the next step."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"step {step}: loss is {loss}; stopping (lower the learning rate, check fp16 scaling)")
+    if grad_norm is None or not applied or math.isfinite(grad_norm):
+        return
+    raise FloatingPointError(
+        f"step {step}: the gradient norm is {grad_norm} and the update was applied (bf16.check_grad_overflow is "
+        "false), so the weights may now hold NaN/Inf; stopping. Resume from the last checkpoint (--resume) with "
+        "a lower learning rate, or set bf16.check_grad_overflow true in the DeepSpeed config to skip such steps")
+
+
+class InFlight:
+    """The launched steps not yet read, oldest first (see the module docstring).
+
+    Args:
+        device: where the steps run.
+        on_settled: ``on_settled(launched, values, seconds)`` for each step in launch order.
+    """
+
+    def __init__(self, device: torch.device, on_settled: Callable[[Launched, Dict[str, Optional[float]], float], None]):
+        self.device = device
+        self.on_settled = on_settled
+        self.pending: Deque[Launched] = collections.deque()
+        self._last_done: Optional[float] = None
+
+    def start_clock(self) -> None:
+        """Before a launch: with nothing in flight (the first step, or the first after an
+        evaluation or a checkpoint), wait for the device to be idle and start the clock there,
+        so the next step's time holds no other work."""
+        if self.pending:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._last_done = time.time()
+
+    def stage(self, step: int, result: Any, values: Dict[str, Any], **extra: Any) -> Launched:
+        """Queue the copy of ``values`` (0-dim tensors, numbers or ``None``) to the host after the
+        step's kernels, and keep the step in flight."""
+        names, tensors, known = [], [], {}
+        for name, v in values.items():
+            if torch.is_tensor(v):
+                names.append(name)
+                tensors.append(v.detach().reshape(()).float())
+            else:
+                known[name] = v
+        staged, event = None, None
+        if tensors:
+            stacked = torch.stack(tensors)
+            if stacked.device.type == "cuda":
+                staged = stacked.to("cpu", non_blocking=True)  # pinned; valid after the event
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                staged = stacked
+        launched = Launched(step, result, names, staged, event, known, extra)
+        self.pending.append(launched)
+        return launched
+
+    def settle(self, keep: int = 0) -> None:
+        """Read the oldest steps until ``keep`` remain in flight; each goes to ``on_settled``."""
+        while len(self.pending) > keep:
+            launched = self.pending.popleft()
+            if launched.event is not None:
+                launched.event.synchronize()
+            elif self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing staged: wait for everything instead
+            done = time.time()
+            seconds = done - (self._last_done if self._last_done is not None else done)
+            self._last_done = done
+            self.on_settled(launched, launched.values(), seconds)
