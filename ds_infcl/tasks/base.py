@@ -95,10 +95,12 @@ class Batch:
     def __len__(self) -> int:
         return int(self.sample_index.shape[0])
 
-    def resolved_labels(self) -> torch.Tensor:
+    def resolved_labels(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The labels, or (none given) query i's positive at key ``i * keys_per_query``, made
+        on ``device``."""
         if self.labels is not None:
             return self.labels
-        return torch.arange(len(self), dtype=torch.long) * self.keys_per_query
+        return torch.arange(len(self), dtype=torch.long, device=device) * self.keys_per_query
 
     def slice(self, start: int, stop: int) -> "Batch":
         """Queries ``start:stop`` and their keys (labels are not sliced: they index the whole
@@ -126,11 +128,20 @@ class Batch:
     def loss_kwargs(self, device: torch.device, sample_index: bool = False) -> Dict[str, Any]:
         """``labels`` and ``loss_inputs`` (and ``sample_index`` for losses that declare
         ``needs_sample_index``, FastCLIP's) on ``device``: the keyword arguments of the loss."""
-        out = {"labels": self.resolved_labels().to(device)}
+        out = {"labels": _to_device(self.resolved_labels(device), device)}
         if sample_index:
-            out["sample_index"] = self.sample_index.to(device)
-        out.update(tree_map(lambda t: t.to(device), dict(self.loss_inputs)))
+            out["sample_index"] = _to_device(self.sample_index, device)
+        out.update(tree_map(lambda t: _to_device(t, device), dict(self.loss_inputs)))
         return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU through pinned memory without blocking: a
+    copy from pageable memory waits for every kernel queued before it (the host would then wait
+    for the step's forward in the middle of every step)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class Task:

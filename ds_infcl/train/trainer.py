@@ -327,13 +327,11 @@ class Trainer:
         self.losses.append(values["loss"])
         check_finite_values(step, values["loss"], values["grad_norm"], launched.extra["applied"])
         if self._logs(step):
-            ls = values["logit_scale"]
+            ls, sps = values["logit_scale"], batch_size / seconds if seconds > 0 else float("nan")
             self.logger.log_train({
                 "step": step, "loss": values["loss"], "logit_scale": ls, "scale": self._scale_of(ls),
-                "lr": launched.extra["lr"], "samples_per_s": batch_size / seconds if seconds > 0 else float("nan"),
-                "step_time_s": seconds, "peak_mem_mib": peak_memory_mib(self.device), "samples": launched.extra["samples"],
-                **self._utilization(batch_size / seconds if seconds > 0 else float("nan"), launched.result),
-            })
+                "lr": launched.extra["lr"], "samples_per_s": sps, "step_time_s": seconds, "samples": launched.extra["samples"],
+                "peak_mem_mib": peak_memory_mib(self.device), **self._utilization(sps, launched.result)})
         self.logger.advance()
 
     def forward_backward_step(self, batch: Batch) -> StepResult:
