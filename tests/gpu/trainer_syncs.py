@@ -36,9 +36,10 @@ def _source(stack) -> str:
 
 def count(ds_config: dict, grad_cache) -> dict:
     out = tempfile.mkdtemp()
+    batch = {"global_batch_size": 256, "grad_cache": grad_cache, **({"chunk_size": 64} if grad_cache else {})}
     cfg = run_config_from_dict({
         "task": {"name": "synthetic", "args": {"input_dim": 64, "embed_dim": 32, "num_samples": 4096}},
-        "batch": {"global_batch_size": 256, "grad_cache": grad_cache, "chunk_size": 64},
+        "batch": batch,
         "train": {"num_steps": 3 + STEPS + 1, "seed": 0}, "model": {"compile": False},
         "logging": {"every_steps": 2, "progress_bar": False, "tensorboard": False},
         "eval": {"at_end": False}, "checkpoint": {"every_steps": 0, "at_end": False, "export_final": False},
