@@ -41,7 +41,9 @@ until one runs out of memory, then its ``accum_freq`` path at each per-GPU batch
 ours in the same table (samples/s per GPU and MFU counted the same way: 3 x the towers' forward
 FLOPs of one pair, against the GPU's dense bf16 peak), and a second table sets each of our
 throughput rows beside the fastest OpenCLIP configuration that ran at the same global batch,
-naming it.
+naming it. With ``--side-by-side`` OpenCLIP's cases run on the next ``--num-gpus`` GPUs at the
+same time as ours (2 x ``--num-gpus`` GPUs visible), so both sides share the host alike and the
+table takes half the wall time; the table's header names the split.
 ``st_cached`` (``--task bench_decoder`` only) is sentence-transformers' ``CachedMultipleNegativesRankingLoss``
 with peft LoRA on the same decoder shape (``ds_infcl.bench.st_cached``), one GPU (the first visible),
 no DeepSpeed, at ``--st-batch`` pairs in mini-batches of ``--st-mini-batch``: its row gives samples
@@ -59,7 +61,6 @@ import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -67,13 +68,15 @@ from typing import Dict, List, Optional
 from ds_infcl.bench.openclip_step import ARCHS as OPENCLIP_ARCHS
 from ds_infcl.bench.openclip_step import MISSING_EXIT_CODE, mode_name
 from ds_infcl.bench.engine_impls import impl_label, parse_impl
+from ds_infcl.bench.launching import (
+    _REPO, _case_row, _gpu_info, _launch, _summary, _visible_gpu_ids, launcher_command, trainer_args,
+)
 from ds_infcl.train.config import apply_overrides
 from ds_infcl.train.dist import free_port
 from ds_infcl.train.metrics import hardware_flops_factor
 
 __all__ = ["main"]
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _task_args(args) -> Dict:
@@ -95,79 +98,6 @@ def _tokens_per_sample(args) -> Optional[float]:
     from ds_infcl.tasks.base import get_task
 
     return get_task("bench_decoder", json.loads(args.task_args) if args.task_args else {}).tokens_per_sample()
-
-
-def _launch(cmd, log_path: str, timeout: float, exit_codes=None, env_extra=None):
-    """Run one case's command (the repository on its ``PYTHONPATH``, output to ``log_path``, its own
-    process group, killed after ``timeout`` seconds); returns ``(status, wall seconds, log text)``,
-    status ``ok``, ``failed``, ``oom``, ``timeout`` or ``exit_codes[rc]``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(env_extra or {})
-    if "--include" in cmd:  # _gpu_selection: the launcher sees every GPU and picks the named ones
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-            status = "ok" if rc == 0 else (exit_codes or {}).get(rc, "failed")
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            status = "timeout"
-    wall = time.time() - t0
-    text = open(log_path, errors="replace").read()
-    if status == "failed" and ("OutOfMemoryError" in text or "CUDA out of memory" in text):
-        status = "oom"
-    return status, wall, text
-
-
-def _gpu_selection(num_gpus: int) -> List[str]:
-    """The launcher's GPU arguments. The ``deepspeed`` launcher ignores ``CUDA_VISIBLE_DEVICES``
-    once ``--num_gpus`` is given (it would run on GPUs 0..N-1), so a set ``CUDA_VISIBLE_DEVICES``
-    becomes ``--include localhost:<ids>`` (and is taken out of the launcher's environment by
-    ``_launch``): two benchmarks can run side by side on GPUs 0 and 1 of one host."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return ["--num_gpus", str(num_gpus)]
-    ids = [i.strip() for i in visible.split(",") if i.strip()]
-    if len(ids) != num_gpus or not all(i.isdigit() for i in ids):
-        raise SystemExit(f"CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)} GPU(s) but --num-gpus is {num_gpus}: "
-                         "name exactly --num-gpus GPU indices (digits), or unset CUDA_VISIBLE_DEVICES")
-    return ["--include", "localhost:" + ",".join(ids)]
-
-
-def trainer_args(deepspeed_config: str, run_path: str, ds_set=()) -> List[str]:
-    """``ds_infcl.train``'s arguments for a benchmark case: no lr schedule, clipping at 1.0, torch's
-    AdamW, then ``ds_set``'s overrides."""
-    out = ["--deepspeed_config", deepspeed_config, "--config", run_path,
-           "--ds-set", "scheduler=null", "--ds-set", "gradient_clipping=1.0",
-           # torch.optim.AdamW (fused on CUDA): no JIT build of FusedAdam in every fresh machine
-           "--ds-set", "optimizer.params.torch_adam=true"]
-    for extra in ds_set:
-        out += ["--ds-set", extra]
-    return out
-
-
-def launcher_command(num_gpus: int, trainer: List[str]) -> List[str]:
-    """The ``deepspeed`` launcher running ``ds_infcl.train`` with ``trainer`` on ``num_gpus`` GPUs
-    (``_gpu_selection``), on a free port."""
-    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [launcher, *_gpu_selection(num_gpus), "--master_port", str(free_port()), "--module", "ds_infcl.train",
-            *trainer]
-
-
-def _case_row(status: str, wall: float, **case) -> Dict:
-    """A table row: the ``case``'s columns, then ``status``, the measured columns left empty (a case
-    that ran fills them from its summary) and the wall time."""
-    return {**case, "status": status, "samples_per_s": "", "samples_per_s_per_gpu": "", "step_time_s": "",
-            "peak_mem_gib": "", "kept": "", "wall_s": round(wall, 1)}
-
-
-def _summary(out: str) -> Dict:
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f)
 
 
 def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
@@ -192,7 +122,8 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
     run = apply_overrides(run, impl_sets + list(args.set))
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(run, f, indent=2)
-    cmd = launcher_command(args.num_gpus, trainer_args(args.deepspeed_config, os.path.join(out, "run.json"), args.ds_set))
+    cmd = launcher_command(args.num_gpus, trainer_args(args.deepspeed_config, os.path.join(out, "run.json"), args.ds_set),
+                           getattr(args, "gpu_ids", None))
     log_path = os.path.join(out, "log.txt")
     status, wall, text = _launch(cmd, log_path, args.case_timeout)
     if status == "failed":
@@ -246,7 +177,9 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     else:
         cmd = [sys.executable] + module_args
     log_path = os.path.join(out, "log.txt")
-    status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"})
+    ids = getattr(args, "gpu_ids", None)
+    status, wall, text = _launch(cmd, log_path, args.case_timeout, {MISSING_EXIT_CODE: "no open_clip"},
+                                 {"CUDA_VISIBLE_DEVICES": ",".join(ids)} if ids else None)
     if status in ("failed", "no open_clip"):
         print(f"[bench] {tag} {status}; last lines of {log_path}:\n" + "\n".join(text.splitlines()[-20:]), flush=True)
     row = _case_row(status, wall, impl=mode_name(compiled, accum_freq, gc, loss), phase="openclip",
@@ -266,6 +199,57 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     print(f"[bench] {row['impl']} batch/GPU={batch_per_gpu} {status} sps/GPU={row['samples_per_s_per_gpu']} "
           f"mfu={row.get('mfu', '-')} peak={row['peak_mem_gib']} GiB wall={row['wall_s']} s", flush=True)
     return row
+
+
+def _our_rows(args, gpu, rows: List[Dict]) -> List[Dict]:
+    """The throughput cases of every impl of ours (and ``st_cached``) in the order given, appended
+    to ``rows`` (the results files rewritten after each impl unless ``gpu`` is ``None``)."""
+    for impl in [i for i in args.impls if i != "openclip_step"]:
+        if impl == "st_cached":
+            from ds_infcl.bench.st_cached import engine_row
+
+            rows.append(engine_row(args, _launch, _case_row, _summary))
+        for batch in [b for b in args.throughput_batch if b > 0 and impl != "st_cached"]:
+            rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
+        if gpu is not None:
+            _write_results(args, gpu, rows, {})
+    return rows
+
+
+def _side_by_side(args, gpu) -> List[Dict]:
+    """``--side-by-side``: our cases on the first ``--num-gpus`` GPUs and OpenCLIP's on the next
+    ``--num-gpus`` at the same time, so that both share the host and the machine alike; our rows,
+    then OpenCLIP's."""
+    import copy
+    import threading
+
+    ids = _visible_gpu_ids()
+    n = args.num_gpus
+    if len(ids) < 2 * n or not all(i.isdigit() for i in ids):
+        raise SystemExit(f"--side-by-side needs 2 x --num-gpus = {2 * n} GPUs (digits in CUDA_VISIBLE_DEVICES), "
+                         f"found {ids or 'none'}")
+    args.sides = (ids[:n], ids[n:2 * n])
+    ours_args, oc_args = copy.copy(args), copy.copy(args)
+    ours_args.gpu_ids, oc_args.gpu_ids = args.sides
+    print(f"[bench] side by side: ours on GPU(s) {','.join(args.sides[0])}, OpenCLIP on {','.join(args.sides[1])}", flush=True)
+    ours: List[Dict] = []
+    failed: List[BaseException] = []
+
+    def run_ours():
+        try:
+            _our_rows(ours_args, None, ours)
+        except BaseException as e:  # noqa: BLE001 -- raised in the main thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=run_ours, name="ours")
+    thread.start()
+    theirs = _openclip_rows(oc_args)
+    thread.join()
+    if failed:
+        raise failed[0]
+    rows = ours + theirs
+    _write_results(args, gpu, rows, {})
+    return rows
 
 
 def _openclip_rows(args) -> List[Dict]:
@@ -310,20 +294,6 @@ def best_openclip_lines(rows: List[Dict]) -> List[str]:
     return lines
 
 
-def _gpu_info() -> Dict[str, object]:
-    """Name and memory of the GPUs from nvidia-smi: this process must not create a CUDA context
-    (it would hold device memory while the measured cases run)."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return {"name": "no GPU (nvidia-smi not found)", "mem_gib": None}
-    name, mem = [x.strip() for x in out[0].split(",")]
-    return {"name": f"{len(out)} x {name}", "mem_gib": float(mem) / 1024}
-
-
 def _linear_limit(rows: List[Dict], impl: str, mem_gib: Optional[float]) -> str:
     """Global batch at which the last two searched sizes' peak memory, extended linearly, reaches
     the device memory (the Inf-CL path grows linearly with the batch under GradCache)."""
@@ -350,7 +320,9 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
         f"# Training-step benchmark: {_model_label(args)}, {args.label or os.path.basename(args.deepspeed_config)}"
         f"{' ' + ' '.join(args.ds_set) if args.ds_set else ''}{' ' + ' '.join(args.set) if args.set else ''}, "
         f"GradCache chunk {args.chunk_size}/GPU",
-        "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+        "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        + (f"; side by side: ours on GPU(s) {','.join(args.sides[0])} while OpenCLIP ran on GPU(s) {','.join(args.sides[1])}"
+           if getattr(args, "sides", None) else ""), "",
         "| impl | GPUs | global batch | chunk | kept | status | samples/s per GPU | tokens/s per GPU | MFU | HFU | "
         "step time (s) | peak memory / GPU (GiB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -421,9 +393,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--st-steps", type=int, default=2, help="st_cached: timed steps (after a warm-up step)")
     p.add_argument("--st-lora-r", type=int, default=16, help="st_cached: LoRA rank when the task has no lora")
     p.add_argument("--label", default=None, help="title of the results table (default: the DeepSpeed config's name)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="with openclip_step: run OpenCLIP's cases on the next --num-gpus GPUs at the same time as ours "
+                   "(needs 2 x --num-gpus GPUs; both sides then share the host alike, half the wall time)")
     p.add_argument("--out", default="runs/bench_gpu")
     args = p.parse_args(argv)
     ours = [i for i in args.impls if i not in ("openclip_step", "st_cached")]
+    if args.side_by_side and ("openclip_step" not in args.impls or not ours or "st_cached" in args.impls):
+        p.error("--side-by-side runs ours beside openclip_step: give both in --impls (and no st_cached)")
     if "st_cached" in args.impls and args.task != "bench_decoder":
         p.error("--impls st_cached needs --task bench_decoder (the decoder shape it trains)")
     if args.openclip_accum_freq > 1:
@@ -439,18 +416,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     gpu = _gpu_info()
 
-    rows = []
-    for impl in [i for i in args.impls if i != "openclip_step"]:  # in the order given
-        if impl == "st_cached":
-            from ds_infcl.bench.st_cached import engine_row
-
-            rows.append(engine_row(args, _launch, _case_row, _summary))
-        for batch in [b for b in args.throughput_batch if b > 0 and impl != "st_cached"]:
-            rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
-        _write_results(args, gpu, rows, {})
-    if "openclip_step" in args.impls:
-        rows += _openclip_rows(args)
-        _write_results(args, gpu, rows, {})
+    rows: List[Dict] = []
+    if args.side_by_side:
+        rows = _side_by_side(args, gpu)
+    else:
+        _our_rows(args, gpu, rows)
+        if "openclip_step" in args.impls:
+            rows += _openclip_rows(args)
+            _write_results(args, gpu, rows, {})
     largest: Dict[str, str] = {}
     if not args.no_search:
         for impl in ours:

@@ -52,7 +52,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ds_infcl.adapters.clip_configs import CLIP_ARCHITECTURES
-from ds_infcl.bench.engine import _REPO, _gpu_info, _launch, launcher_command, trainer_args
+from ds_infcl.bench.launching import _REPO, _gpu_info, _launch, launcher_command, trainer_args
 from ds_infcl.data.shards import SIZES_FILE
 from ds_infcl.train.config import apply_overrides
 

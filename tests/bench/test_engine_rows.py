@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ds_infcl.bench import engine
+from ds_infcl.bench import engine, launching
 
 
 class _FakeProc:
@@ -37,7 +37,7 @@ class _FakeProc:
 
 
 def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
-    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(launching.subprocess, "Popen", _FakeProc)
     monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "2 x Fake GPU", "mem_gib": 80.0})
     engine.main(["--num-gpus", "2", "--no-search", "--throughput-batch", "8192", "--chunk-size", "512",
                  "--impls", "infcl", "infcl+compile+auto", "--set", "model.compile_mode=max-autotune-no-cudagraphs",
@@ -56,7 +56,7 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
 def test_grad_cache_auto_by_option_or_set_is_named_in_the_rows(monkeypatch, tmp_path):
     # Issue 37: "+gcauto" and --set batch.grad_cache=auto (the string "auto", not a boolean) both
     # run the hybrid, and its rows say so: the name, the kept chunks, HFU beside MFU.
-    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(launching.subprocess, "Popen", _FakeProc)
     monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "1 x Fake GPU", "mem_gib": 80.0})
     engine.main(["--num-gpus", "1", "--no-search", "--throughput-batch", "4096", "--chunk-size", "512",
                  "--impls", "infcl+gcauto", "--out", str(tmp_path / "a")])
@@ -75,19 +75,19 @@ def test_gpu_selection_follows_cuda_visible_devices(monkeypatch):
     # The deepspeed launcher ignores CUDA_VISIBLE_DEVICES once --num_gpus is given, so the
     # benchmark turns it into --include (two benchmarks side by side on one host).
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert engine._gpu_selection(2) == ["--num_gpus", "2"]
+    assert launching._gpu_selection(2) == ["--num_gpus", "2"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert engine._gpu_selection(1) == ["--include", "localhost:1"]
+    assert launching._gpu_selection(1) == ["--include", "localhost:1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
-    assert engine._gpu_selection(2) == ["--include", "localhost:2,3"]
+    assert launching._gpu_selection(2) == ["--include", "localhost:2,3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(SystemExit, match="names 1 GPU"):
-        engine._gpu_selection(2)
+        launching._gpu_selection(2)
 
 
 def test_decoder_rows_give_tokens_per_gpu(monkeypatch, tmp_path):
     # bench_decoder rows: tokens/s per GPU = samples/s x the task's tokens per example / GPUs.
-    monkeypatch.setattr(engine.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(launching.subprocess, "Popen", _FakeProc)
     monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "4 x Fake GPU", "mem_gib": 80.0})
     engine.main(["--num-gpus", "4", "--no-search", "--throughput-batch", "16384", "--chunk-size", "64",
                  "--task", "bench_decoder", "--task-args", '{"arch": "qwen2-7b", "seq_len": 256, "num_negatives": 1}',
@@ -95,3 +95,71 @@ def test_decoder_rows_give_tokens_per_gpu(monkeypatch, tmp_path):
     row = next(csv.DictReader(open(tmp_path / "results.csv")))
     assert float(row["tokens_per_s_per_gpu"]) == 4000.0 * 768 / 4
     assert "| infcl | 4 | 16384 | 64 | 0/8 | ok | 1000.0 | 768000 | 25.1% |" in (tmp_path / "results.md").read_text()
+
+
+class _Clock:
+    """Records when each fake process ran and on which GPUs (``--include`` for ours, the
+    environment's ``CUDA_VISIBLE_DEVICES`` for OpenCLIP's)."""
+
+    def __init__(self):
+        import threading
+
+        self.runs, self.lock = [], threading.Lock()
+
+    def popen(self, cmd, env=None, **kwargs):
+        import time
+
+        clock = self
+
+        class Proc:
+            pid = 0
+
+            def __init__(self):
+                if "--config" in cmd:  # ours, through the deepspeed launcher
+                    _FakeProc(cmd)
+                    self.side, self.gpus = "ours", cmd[cmd.index("--include") + 1]
+                else:  # ds_infcl.bench.openclip_step
+                    out = cmd[cmd.index("--out") + 1]
+                    with open(os.path.join(out, "summary.json"), "w") as f:
+                        json.dump({"samples_per_s_per_gpu": 3000.0, "step_time_s": 0.17, "peak_mem_gib": 38.8,
+                                   "mfu": 0.3}, f)
+                    self.side, self.gpus = "openclip", env["CUDA_VISIBLE_DEVICES"]
+                self.start = time.time()
+
+            def wait(self, timeout=None):
+                time.sleep(0.3)
+                with clock.lock:
+                    clock.runs.append((self.side, self.gpus, self.start, time.time()))
+                return 0
+
+        return Proc()
+
+
+def test_side_by_side_runs_ours_and_openclip_at_once_on_their_own_gpus(monkeypatch, tmp_path):
+    # The issue's comparison ran ours on one GPU while OpenCLIP ran on the other: --side-by-side
+    # does that in one command and prints one table (its header names the split).
+    clock = _Clock()
+    monkeypatch.setattr(launching.subprocess, "Popen", clock.popen)
+    monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "2 x Fake GPU", "mem_gib": 80.0})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    engine.main(["--num-gpus", "1", "--no-search", "--arch", "vit-b-16", "--throughput-batch", "512", "2048",
+                 "--chunk-size", "512", "--impls", "infcl+gcauto", "openclip_step", "--openclip-modes", "compile",
+                 "--openclip-batches", "512", "--openclip-accum-batches", "2048", "--openclip-accum-micro", "512",
+                 "--side-by-side", "--out", str(tmp_path)])
+    ours = [r for r in clock.runs if r[0] == "ours"]
+    theirs = [r for r in clock.runs if r[0] == "openclip"]
+    assert len(ours) == 2 and len(theirs) == 2
+    assert {r[1] for r in ours} == {"localhost:2"} and {r[1] for r in theirs} == {"3"}
+    assert ours[0][2] < theirs[0][3] and theirs[0][2] < ours[0][3]  # the first cases overlapped in time
+    table = (tmp_path / "results.md").read_text()
+    assert "side by side: ours on GPU(s) 2 while OpenCLIP ran on GPU(s) 3" in table
+    assert "| infcl+gcauto | 512 | 4000.0 | openclip_step compiled | 3000.0 | 1.33x |" in table
+
+
+def test_side_by_side_refuses_too_few_gpus_or_no_peer(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit, match="needs 2 x --num-gpus = 4 GPUs"):
+        engine.main(["--num-gpus", "2", "--no-search", "--impls", "infcl", "openclip_step", "--side-by-side",
+                     "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        engine.main(["--num-gpus", "1", "--no-search", "--impls", "infcl", "--side-by-side", "--out", str(tmp_path)])
