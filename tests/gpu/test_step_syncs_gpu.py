@@ -1,14 +1,15 @@
-"""No host synchronization inside the GradCache chunk loop (issue 16), on a CUDA GPU:
+"""No host synchronization inside the GradCache chunk loop (issue 16), and none from the trainer
+between steps (issue 37), on a CUDA GPU:
 
     python -m pytest -q -s tests/gpu/test_step_syncs_gpu.py
 
 With ``torch.cuda.set_sync_debug_mode("warn")`` every operation that makes the host wait for the
 device (an ``.item()``, a ``bool`` of a device tensor, a blocking copy) warns. A step of 2 chunks
 and a step of 8 chunks over the same local batch must warn the same number of times: what a step
-synchronizes (the loss's input checks) does not depend on the number of
-chunks, so nothing inside the loop over chunks waits for the GPU. (The step no longer reads its loss back:
-the trainer reads it one step late, ``train/inflight.py``; the second test counts the trainer's steps.) The stand-in engine of
-``tests/train/test_steps.py`` keeps DeepSpeed's own work out of the count.
+synchronizes (the loss's input checks) does not depend on the number of chunks, so nothing inside
+the loop over chunks waits for the GPU. The stand-in engine of ``tests/train/test_steps.py`` keeps
+DeepSpeed's own work out of that count. The step no longer reads its loss back: the trainer reads
+it one step late (``train/inflight.py``), which the last test checks on real trainer steps.
 """
 
 import warnings
