@@ -29,7 +29,9 @@ loss or an applied non-finite gradient norm raises, naming its step), and the me
 the steps done. A non-finite step is therefore found one step late: the step after it has run
 (and been applied) by then, which no checkpoint ever holds.
 
-On the CPU nothing is asynchronous: the staged values are the values, the clock the wall clock.
+On the CPU nothing is asynchronous: a launch runs the step to its end, so each step is settled
+right after its own launch (``lag`` 0; a lag would charge step N+1's compute to step N, and give
+the step before a forced settle no time at all).
 """
 
 from __future__ import annotations
@@ -104,6 +106,11 @@ class InFlight:
         self.on_settled = on_settled
         self.pending: Deque[Launched] = collections.deque()
         self._last_done: Optional[float] = None
+        self.lag = 1 if device.type == "cuda" else 0  # steps left in flight after a launch
+
+    def settle_behind(self) -> None:
+        """After a launch: read every step but the ``lag`` newest."""
+        self.settle(keep=self.lag)
 
     def start_clock(self) -> None:
         """Before a launch: with nothing in flight (the first step, or the first after an

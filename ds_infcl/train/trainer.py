@@ -7,9 +7,9 @@
 - ``__init__``: the process group, the checks of ``train/preflight.py``, the DeepSpeed config and
   optimizer, the task, the model, the engine, a resume, the metrics logger, the data stream.
 - ``train_step()``: launch one optimizer step (``forward_backward_step`` runs the step of
-  ``train/steps.py``: uncached or GradCache), then read the step before it: timed, checked for a
-  finite loss and gradient norm, logged (``train/inflight.py``: the host never waits for the GPU
-  to drain between steps).
+  ``train/steps.py``: uncached or GradCache), then read the step before it (on CUDA; on the CPU
+  the step itself): timed, checked for a finite loss and gradient norm, logged
+  (``train/inflight.py``: the host never waits for the GPU to drain between steps).
 - ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules,
   after every step in flight was read.
 - A stop vote at every step boundary (``StopOnSignal.vote``): when any rank got
@@ -280,8 +280,9 @@ class Trainer:
             self.watchdog.beat()
 
     def train_step(self) -> Launched:
-        """Launch one optimizer step on the next batch, then read the one before it
-        (``_settled``: timed, checked for finite values, logged). Returns the launched step."""
+        """Launch one optimizer step on the next batch, then read the one before it (CUDA) or
+        this one (CPU) (``_settled``: timed, checked for finite values, logged). Returns the
+        launched step."""
         cfg, device = self.cfg, self.device
         lrs = self.engine.get_lr()
         lr_applied = float(lrs[0]) if lrs else float("nan")  # the lr this step's update uses
@@ -310,7 +311,7 @@ class Trainer:
             values["logit_scale"] = self._logit_scale_tensor()
         applied = bool(engine.was_step_applied()) if hasattr(engine, "was_step_applied") else False
         launched = self.inflight.stage(self.step, result, values, lr=lr_applied, applied=applied, samples=self.samples)
-        self.inflight.settle(keep=1)
+        self.inflight.settle_behind()  # on CUDA the step before it; on CPU this one
         return launched
 
     def _logs(self, step: int) -> bool:

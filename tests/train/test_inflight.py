@@ -35,6 +35,16 @@ def test_steps_settle_in_launch_order_one_step_late():
     assert [e["lr"] for *_, e in seen] == [1, 2, 3]
 
 
+def test_on_the_cpu_a_step_settles_right_after_its_launch():
+    # Nothing runs asynchronously there: a lag would time step N with step N+1's compute.
+    flight, seen = _flight()
+    assert flight.lag == 0
+    flight.start_clock()
+    flight.stage(1, None, {"loss": torch.tensor(1.0)})
+    flight.settle_behind()
+    assert [s for s, *_ in seen] == [1] and not flight.pending
+
+
 def test_numbers_and_none_pass_through_and_tensors_are_read():
     flight, seen = _flight()
     flight.start_clock()
