@@ -229,7 +229,9 @@ class StopOnSignal:
 
         if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(group) > 1):
             return Vote(self, None, None, None)
-        flag = torch.tensor([self._mine], dtype=torch.int32, device=device)
+        # torch.full fills on the device; torch.tensor([...], device=cuda) would copy from pageable
+        # memory, which waits for every queued kernel
+        flag = torch.full((1,), self._mine, dtype=torch.int32, device=device)
         if flag.device.type != "cuda":
             return Vote(self, flag, tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group, async_op=True), None)
         tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)  # NCCL: queued, the host goes on

@@ -64,19 +64,25 @@ def test_syncs_do_not_grow_with_the_chunks(copy_stream):
     assert few >= 1  # the loss's input checks read values back once: the count sees synchronizations at all
 
 
-def _trainer_syncs(ds_config: str, grad_cache) -> dict:
-    """``tests/gpu/trainer_syncs.py`` in a fresh process (a 1-rank world on this GPU)."""
+def _trainer_syncs(ds_config: str, grad_cache, ranks: int = 1) -> dict:
+    """``tests/gpu/trainer_syncs.py`` in a fresh process (a 1-rank world on this GPU), or under
+    torchrun on ``ranks`` GPUs."""
     import json
     import os
     import pathlib
     import subprocess
     import sys
 
+    from ds_infcl.train.dist import free_port
+
     repo = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TRITON_INTERPRET": "0"}
     env.pop("DS_ACCELERATOR", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.trainer_syncs", str(repo / "ds_configs" / ds_config),
-                           json.dumps(grad_cache)], capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                                      "--master_port", str(free_port())]
+    proc = subprocess.run([sys.executable, *launcher, "-m", "tests.gpu.trainer_syncs",
+                           str(repo / "ds_configs" / ds_config), json.dumps(grad_cache)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=repo)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRAINER_SYNCS ")]
     assert lines, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("TRAINER_SYNCS "):])
@@ -92,5 +98,15 @@ def test_the_trainer_does_not_wait_for_the_gpu_between_steps(ds_config, grad_cac
     loss's input checks (one read per loss call) and DeepSpeed's own."""
     got = _trainer_syncs(ds_config, grad_cache)
     print(f"{ds_config} grad_cache={grad_cache}: per {got['steps']} steps {got['sources']}")
+    ours = {src: n for src, n in got["sources"].items() if src.startswith("ds_infcl/train/") and "inflight.py" not in src}
+    assert not ours, ours
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_vote_and_step_without_waiting():
+    """The same on 2 ranks (torchrun, NCCL): the stop vote's collective is queued, not read, at the
+    step boundary (``StopOnSignal.vote``)."""
+    got = _trainer_syncs("zero1.json", "auto", ranks=2)
+    print(f"2 ranks, zero1.json grad_cache=auto: per {got['steps']} steps {got['sources']}")
     ours = {src: n for src, n in got["sources"].items() if src.startswith("ds_infcl/train/") and "inflight.py" not in src}
     assert not ours, ours

@@ -1,10 +1,11 @@
 """Count the host synchronizations of the trainer's steady-state steps on a CUDA GPU, by source.
 
     python -m tests.gpu.trainer_syncs DS_CONFIG_JSON GRAD_CACHE
+    torchrun --nproc_per_node 2 -m tests.gpu.trainer_syncs DS_CONFIG_JSON GRAD_CACHE
 
-Runs the synthetic task (a 1-rank world, no launcher) for three warm-up steps, then four steps
+Runs the synthetic task (a 1-rank world without a launcher, or the launcher's ranks) for three warm-up steps, then four steps
 under ``torch.cuda.set_sync_debug_mode("warn")``, and prints one JSON line ``TRAINER_SYNCS
-{"steps": 4, "sources": {"<innermost ds_infcl or deepspeed frame>": count, ...}}``. A
+{"steps": 4, "sources": {"<innermost ds_infcl or deepspeed frame>": count, ...}}`` (rank 0's). A
 synchronization is charged to the innermost frame of ds_infcl or DeepSpeed in its stack.
 """
 
@@ -76,5 +77,7 @@ if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         ds = json.load(f)
     gc = json.loads(sys.argv[2])
-    print("TRAINER_SYNCS " + json.dumps(count(ds, gc)), flush=True)
+    got = count(ds, gc)
+    if os.environ.get("RANK", "0") == "0":
+        print("TRAINER_SYNCS " + json.dumps(got), flush=True)
     exit_process(0)
