@@ -44,7 +44,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
-__all__ = ["Launched", "InFlight", "check_finite_values"]
+__all__ = ["Launched", "InFlight", "check_finite_values", "copy_to_host"]
 
 Number = Union[float, int]
 
@@ -69,6 +69,18 @@ class Launched:
         if self.staged is not None:
             out.update(zip(self.names, self.staged.tolist()))
         return out
+
+
+def copy_to_host(t: torch.Tensor):
+    """``(copy, event)``: ``t`` copied to pinned host memory, queued after the kernels before it,
+    and the CUDA event after the copy (read the copy after ``event.synchronize()``, which waits
+    for those kernels alone); a host tensor is its own copy, with no event."""
+    if t.device.type != "cuda":
+        return t, None
+    copy = t.to("cpu", non_blocking=True)  # pinned
+    event = torch.cuda.Event()
+    event.record()
+    return copy, event
 
 
 def check_finite_values(step: int, loss: float, grad_norm: Optional[float], applied: bool) -> None:
@@ -132,15 +144,7 @@ class InFlight:
                 tensors.append(v.detach().reshape(()).float())
             else:
                 known[name] = v
-        staged, event = None, None
-        if tensors:
-            stacked = torch.stack(tensors)
-            if stacked.device.type == "cuda":
-                staged = stacked.to("cpu", non_blocking=True)  # pinned; valid after the event
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                staged = stacked
+        staged, event = copy_to_host(torch.stack(tensors)) if tensors else (None, None)
         launched = Launched(step, result, names, staged, event, known, extra)
         self.pending.append(launched)
         return launched

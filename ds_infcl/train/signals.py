@@ -83,8 +83,8 @@ def _prctl_pdeathsig(signum: int) -> bool:
 class Vote:
     """A stop vote in flight (``StopOnSignal.vote``)."""
 
-    def __init__(self, stop: "StopOnSignal", flag, work, event):
-        self.stop, self.flag, self.work, self.event = stop, flag, work, event
+    def __init__(self, stop: "StopOnSignal", flag=None, event=None, work=None):
+        self.stop, self.flag, self.event, self.work = stop, flag, event, work
 
     def agreed(self) -> bool:
         """Whether any rank had a signal when the vote was queued (one rank: has one now); the
@@ -206,17 +206,7 @@ class StopOnSignal:
     def agree(self, group=None, device=None) -> bool:
         """Whether any rank got a signal: a collective (all ranks call it at the same step); the
         agreed signal is then ``signum`` (the largest number any rank got)."""
-        import torch
-        import torch.distributed as tdist
-
-        value = self._mine
-        if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(group) > 1:
-            flag = torch.tensor([value], dtype=torch.int32, device=device)
-            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
-            value = int(flag.item())
-        if value:
-            self.signum = value
-        return bool(value)
+        return self.vote(group, device).agreed()
 
     def vote(self, group=None, device=None) -> "Vote":
         """``agree`` in two halves, for a loop that must not wait for the device at each step
@@ -227,15 +217,14 @@ class StopOnSignal:
         import torch
         import torch.distributed as tdist
 
+        from ds_infcl.train.inflight import copy_to_host
+
         if not (tdist.is_available() and tdist.is_initialized() and tdist.get_world_size(group) > 1):
-            return Vote(self, None, None, None)
+            return Vote(self)
         # torch.full fills on the device; torch.tensor([...], device=cuda) would copy from pageable
         # memory, which waits for every queued kernel
         flag = torch.full((1,), self._mine, dtype=torch.int32, device=device)
         if flag.device.type != "cuda":
-            return Vote(self, flag, tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group, async_op=True), None)
+            return Vote(self, flag, work=tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group, async_op=True))
         tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)  # NCCL: queued, the host goes on
-        staged = flag.to("cpu", non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Vote(self, staged, None, event)
+        return Vote(self, *copy_to_host(flag))
