@@ -1,6 +1,6 @@
 """The steps in flight (``ds_infcl.train.inflight``): values read in launch order, one step late,
 timed from settle to settle; the finite checks name the step; the stop vote of one rank reads the
-flag when asked. (The GPU side, that nothing in the trainer waits for the device between steps, is
+flag when asked; on CUDA a step's time is the device's. (The GPU side, that nothing in the trainer waits for the device between steps, is
 ``tests/gpu/test_step_syncs_gpu.py``.)"""
 
 import math
@@ -72,6 +72,52 @@ def test_a_step_is_timed_from_the_settle_before_it():
     flight.settle()
     (_, _, first, _), (_, _, second, _), (_, _, third, _) = seen
     assert first >= 0.05 and 0.03 <= second < 0.05 + 0.04 and third < 0.01
+
+
+class _DeviceClock:
+    """A stand-in for ``torch.cuda.Event`` on a device clock the test moves by hand (ms)."""
+
+    now = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.timing, self.at = enable_timing, None
+
+    def record(self):
+        self.at = _DeviceClock.now
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        assert self.timing and end.timing, "elapsed_time needs events made with enable_timing=True"
+        return end.at - self.at
+
+
+def test_on_cuda_a_step_is_timed_by_the_device_not_by_when_the_host_reads_it(monkeypatch):
+    # A step whose launch waits for the GPU (a host read inside it) is read only after the next
+    # launch returned; the step after it, read at once at the end, must still get its whole time.
+    monkeypatch.setattr(torch.cuda, "Event", _DeviceClock)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    seen = []
+    flight = InFlight(torch.device("cuda"), lambda launched, values, seconds: seen.append((launched.step, seconds)))
+    assert flight.lag == 1
+    _DeviceClock.now = 10.0
+    flight.start_clock()
+    _DeviceClock.now = 110.0  # step 1 ends on the device 100 ms later
+    flight.stage(1, None, {"loss": torch.tensor(1.0)})
+    flight.settle_behind()
+    assert seen == []  # one step in flight
+    _DeviceClock.now = 360.0  # the launch of step 2 ran to its end: 250 ms
+    flight.stage(2, None, {"loss": torch.tensor(1.0), "grad_norm": None})
+    flight.settle_behind()  # step 1, read late
+    time.sleep(0.02)
+    flight.settle()  # step 2 at once: the host clock would give it ~0
+    assert [s for s, _ in seen] == [1, 2]
+    assert [t for _, t in seen] == [pytest.approx(0.1), pytest.approx(0.25)]
+    _DeviceClock.now = 400.0
+    flight.stage(3, None, {"grad_norm": None})  # nothing to copy: still timed on the device
+    flight.settle()
+    assert seen[-1] == (3, pytest.approx(0.04))
 
 
 @pytest.mark.parametrize("loss, norm, applied, pattern", [
