@@ -7,12 +7,15 @@ local check result so that a bad input on one rank raises on every rank instead 
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "check_inputs", "check_values", "check_features", "check_labels", "check_scale",
-           "check_tile_size"]
+__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "check_features", "check_labels",
+           "check_scale", "check_tile_size", "deferred_value_checks"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -109,6 +112,12 @@ def check_values(
     ``torch.compile`` traces runs them inside itself instead (``check_inputs(..., values=False)``
     there): reading a value back while tracing would need a guard on data, whereas inside the op
     they run at every call and raise the same errors.
+
+    Inside :func:`deferred_value_checks` the checks are queued instead of read (on a GPU: no
+    readback, so the host does not wait for the kernels before them) and raised later by
+    :meth:`DeferredChecks.raise_if_failed`, on every device alike; a call with labels still reads
+    at once unless the block's caller vouches for them (``labels_checked``): a label out of range
+    would index past the keys before a queued check was read.
     """
     names, values = [], []
     if check_finite:
@@ -126,8 +135,29 @@ def check_values(
     if not values:
         return
     device = values[0].device
-    got = dict(zip(names, torch.stack([v.to(device=device, dtype=torch.int64) for v in values]).tolist()))
-    for name, t in (("query", query), ("key", key)):
+    stacked = torch.stack([v.to(device=device, dtype=torch.int64) for v in values])
+    context = _Context(query, key, scale, bias, num_keys)
+    pending = _PENDING.get()
+    if pending is not None and (labels is None or pending.labels_checked):
+        pending.add(names, stacked, context)
+        return
+    _raise_for(dict(zip(names, stacked.tolist())), context)
+
+
+@dataclass
+class _Context:
+    """What the messages of :func:`check_values` name: the rows and the scale and bias."""
+
+    query: Optional[torch.Tensor]
+    key: Optional[torch.Tensor]
+    scale: object
+    bias: object
+    num_keys: int
+
+
+def _raise_for(got: Dict[str, int], ctx: _Context) -> None:
+    """The ``ValueError`` of the first failed check in ``got`` (name -> count or label bound)."""
+    for name, t in (("query", ctx.query), ("key", ctx.key)):
         bad = got.get(name, 0)
         if bad:
             raise ValueError(
@@ -135,16 +165,78 @@ def check_values(
                 "check the encoder (fp16 overflow, a bad sample, a diverged step)"
             )
     if got.get("scale", 0):
-        raise ValueError(_scale_value_error(float(scale.detach())))
+        raise ValueError(_scale_value_error(float(ctx.scale.detach())))
     if got.get("bias", 0):
-        raise ValueError(f"bias must be finite, got {float(bias.detach())}")
+        raise ValueError(f"bias must be finite, got {float(ctx.bias.detach())}")
     if "labels_min" in got:
         lo, hi = got["labels_min"], got["labels_max"]
-        if lo < 0 or hi >= num_keys:
+        if lo < 0 or hi >= ctx.num_keys:
             raise ValueError(
-                f"labels must lie in [0, {num_keys}) (indices into the local keys); "
+                f"labels must lie in [0, {ctx.num_keys}) (indices into the local keys); "
                 f"got values from {lo} to {hi}"
             )
+
+
+class DeferredChecks:
+    """The value checks of the loss calls inside :func:`deferred_value_checks`, queued on their
+    device to be read once the step has finished, with its other values (the trainer reads a
+    step's loss one step late; a readback inside the step would make the host wait for the
+    forward in every step).
+
+    ``labels_checked``: the caller knows the labels of the block's loss calls are in range, so
+    their check is queued too (else a call with labels reads at once). The trainer checks a task's
+    host labels before it copies them (``Batch.loss_kwargs``) and makes the default ones on the
+    device itself.
+    """
+
+    def __init__(self, labels_checked: bool = False) -> None:
+        self.labels_checked = labels_checked
+        self._entries: List[Tuple[List[str], torch.Tensor, _Context]] = []
+
+    def add(self, names: List[str], values: torch.Tensor, context: _Context) -> None:
+        self._entries.append((names, values, context))
+
+    def failed(self) -> Optional[torch.Tensor]:
+        """A 0-dim device tensor, nonzero when a queued check failed; ``None`` when nothing is
+        queued. Reads nothing."""
+        flags = [_failed_flags(names, values, ctx) for names, values, ctx in self._entries]
+        return torch.stack(flags).sum() if flags else None
+
+    def raise_if_failed(self) -> None:
+        """Read the queued checks (after the kernels that made them have finished: no wait) and
+        raise the ``ValueError`` of the first that failed, as :func:`check_values` would have."""
+        for names, values, ctx in self._entries:
+            _raise_for(dict(zip(names, values.tolist())), ctx)
+
+
+def _failed_flags(names: List[str], values: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    """On the device: 1 when any check of one :func:`check_values` call failed, else 0."""
+    bad = torch.zeros((), dtype=torch.int64, device=values.device)
+    for i, name in enumerate(names):
+        if name == "labels_min":
+            bad = bad + (values[i] < 0).long()
+        elif name == "labels_max":
+            bad = bad + (values[i] >= ctx.num_keys).long()
+        else:
+            bad = bad + (values[i] > 0).long()
+    return (bad > 0).long()
+
+
+_PENDING: ContextVar[Optional[DeferredChecks]] = ContextVar("ds_infcl_deferred_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferred_value_checks(labels_checked: bool = False) -> Iterator[DeferredChecks]:
+    """Queue the value checks of the loss calls in the block instead of reading them: yields the
+    :class:`DeferredChecks` to read after the block's kernels have run (calls with labels only
+    with ``labels_checked``, see there). The trainer wraps each step in it
+    (``Trainer.forward_backward_step``)."""
+    pending = DeferredChecks(labels_checked)
+    token = _PENDING.set(pending)
+    try:
+        yield pending
+    finally:
+        _PENDING.reset(token)
 
 
 def check_inputs(

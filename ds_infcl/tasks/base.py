@@ -128,7 +128,15 @@ class Batch:
     def loss_kwargs(self, device: torch.device, sample_index: bool = False) -> Dict[str, Any]:
         """``labels`` and ``loss_inputs`` (and ``sample_index`` for losses that declare
         ``needs_sample_index``, FastCLIP's) on ``device``: the keyword arguments of the loss."""
-        out = {"labels": _to_device(self.resolved_labels(device), device)}
+        labels = self.resolved_labels(device)
+        if self.labels is not None and labels.device.type == "cpu" and labels.numel():
+            # Checked here, on the host, before any kernel indexes the keys with them: the trainer
+            # reads the loss's own input checks only after the step (``deferred_value_checks``).
+            num_keys, lo, hi = len(self) * self.keys_per_query, int(labels.min()), int(labels.max())
+            if lo < 0 or hi >= num_keys:
+                raise ValueError(f"labels must lie in [0, {num_keys}) (indices into the local keys); "
+                                 f"got values from {lo} to {hi}")
+        out = {"labels": _to_device(labels, device)}
         if sample_index:
             out["sample_index"] = _to_device(self.sample_index, device)
         out.update(tree_map(lambda t: _to_device(t, device), dict(self.loss_inputs)))

@@ -49,6 +49,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 
+from ds_infcl.ops.validation import DeferredChecks
+
 __all__ = ["Launched", "InFlight", "check_finite_values", "copy_to_host"]
 
 Number = Union[float, int]
@@ -89,8 +91,11 @@ def copy_to_host(t: torch.Tensor, timing: bool = False):
     return copy, event
 
 
-def check_finite_values(step: int, loss: float, grad_norm: Optional[float], applied: bool) -> None:
-    """Stop on a non-finite loss, or on a non-finite gradient norm that DeepSpeed applied.
+def check_finite_values(step: int, loss: float, grad_norm: Optional[float], applied: bool,
+                        input_checks: Optional[DeferredChecks] = None) -> None:
+    """Stop on a failed input check of the step's loss (``input_checks``, queued on the device by
+    ``ds_infcl.ops.validation.deferred_value_checks``: NaN/Inf features, ...), a non-finite loss,
+    or a non-finite gradient norm that DeepSpeed applied.
 
     With bf16, DeepSpeed's own overflow check (``bf16.check_grad_overflow``, on by default) tests
     every gradient tensor for NaN/Inf one by one at each optimizer step and skips the update when
@@ -101,6 +106,11 @@ def check_finite_values(step: int, loss: float, grad_norm: Optional[float], appl
     named instead of training on from broken weights. ZeRO-3 skips such an update itself whatever
     the setting (``applied`` is then false: nothing to stop). An engine that reports no norm
     (``grad_norm`` ``None``) leaves it to the loss check of the next step."""
+    if input_checks is not None:
+        try:
+            input_checks.raise_if_failed()
+        except ValueError as e:
+            raise ValueError(f"step {step}: {e}") from e
     if not math.isfinite(loss):
         raise FloatingPointError(f"step {step}: loss is {loss}; stopping (lower the learning rate, check fp16 scaling)")
     if grad_norm is None or not applied or math.isfinite(grad_norm):

@@ -57,6 +57,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ds_infcl.ops.validation import DeferredChecks
 from ds_infcl.train.model import loss_with_params
 from ds_infcl.tasks.base import Batch
 
@@ -73,13 +74,15 @@ class StepResult:
     the DeepSpeed micro-steps it ran, the chunks of the local batch
     and how many kept the graph of their first forward (``grad_cache: "auto"``; the plain step's
     one chunk counts as kept, GradCache keeps none), and on CUDA the bytes the first kept chunk
-    held (``ds_infcl.train.keep_chunks`` sizes the hybrid with it)."""
+    held (``ds_infcl.train.keep_chunks`` sizes the hybrid with it), and the loss's input checks,
+    queued on the device to be read with the loss (``ds_infcl.ops.validation.DeferredChecks``)."""
 
     loss: torch.Tensor
     num_micro_steps: int
     num_chunks: int = 1
     num_kept: int = 1
     kept_bytes: Optional[int] = None
+    input_checks: Optional[DeferredChecks] = None
 
     @property
     def replayed_fraction(self) -> float:

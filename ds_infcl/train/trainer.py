@@ -10,14 +10,12 @@
   ``train/steps.py``: uncached or GradCache), then read the step before it (on CUDA; on the CPU
   the step itself): timed, checked for a finite loss and gradient norm, logged
   (``train/inflight.py``: the host never waits for the GPU to drain between steps).
-- ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: at the step boundary, on their schedules,
-  after every step in flight was read.
+- ``maybe_eval()`` / ``maybe_checkpoint(force=False)``: on their schedules, after every step in flight was read.
 - A stop vote at every step boundary (``StopOnSignal.vote``): when any rank got
   SIGTERM/SIGINT/SIGHUP or lost its launcher, all save after the step in flight
   (``checkpoint.on_signal``) and ``fit`` raises ``StopRun`` (exit 128 + the signal).
-- ``close()``: the progress watchdog stopped, the data stream closed, the metrics logger closed,
-  the engine destroyed. ``__exit__`` runs it, so a step that raises leaves no watchdog thread
-  behind in a caller that catches the error (a benchmark loop, a notebook, the tests).
+- ``close()``: watchdog, data stream, metrics logger and engine closed. ``__exit__`` runs it, so
+  a step that raises leaves no thread behind in a caller that catches the error (tests, notebooks).
 
 Checkpoints (``train/checkpoint.py``), metrics (``train/metrics.py``) and the final export
 (``train/export.py``) are components in their own files; the task is used only through the
@@ -37,6 +35,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ds_infcl.ops.validation import deferred_value_checks
 from ds_infcl.tasks.base import Batch, as_batch, get_task
 from ds_infcl.train import zero3_gather
 from ds_infcl.train.checkpoint import load_checkpoint, run_id_after, save_checkpoint
@@ -306,7 +305,8 @@ class Trainer:
         self.samples += self.layout.global_batch_size
         engine = self.engine
         values = {"loss": result.loss,
-                  "grad_norm": engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None}
+                  "grad_norm": engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None,
+                  "bad_inputs": result.input_checks.failed() if result.input_checks else None}
         if self._logs(self.step):
             values["logit_scale"] = self._logit_scale_tensor()
         applied = bool(engine.was_step_applied()) if hasattr(engine, "was_step_applied") else False
@@ -326,7 +326,8 @@ class Trainer:
             self.timed_samples += batch_size
         self.beat()
         self.losses.append(values["loss"])
-        check_finite_values(step, values["loss"], values["grad_norm"], launched.extra["applied"])
+        check_finite_values(step, values["loss"], values["grad_norm"], launched.extra["applied"],
+                            launched.result.input_checks if values["bad_inputs"] else None)
         if self._logs(step):
             ls, sps = values["logit_scale"], batch_size / seconds if seconds > 0 else float("nan")
             self.logger.log_train({
@@ -340,24 +341,23 @@ class Trainer:
         pass); the loss's input errors (NaN/Inf features, ...) name the step."""
         cfg = self.cfg
         try:
-            if cfg.batch.grad_cache:
-                result = grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
-                                         verify_replay=cfg.batch.verify_replay, gather_params=self.gather,
-                                         copy_stream=cfg.data.copy_stream, num_kept=self.keep.num_kept())
-                self.keep.observe(result)  # grad_cache "auto": the measuring step decides what later steps keep
-            else:
-                result = uncached_step(self.engine, batch, self.device)
+            with deferred_value_checks(labels_checked=batch.labels is None or not batch.labels.is_cuda) as checks:
+                if cfg.batch.grad_cache:
+                    result = grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
+                                             verify_replay=cfg.batch.verify_replay, gather_params=self.gather,
+                                             copy_stream=cfg.data.copy_stream, num_kept=self.keep.num_kept())
+                    self.keep.observe(result)  # grad_cache "auto": the measuring step decides what later steps keep
+                else:
+                    result = uncached_step(self.engine, batch, self.device)
         except ValueError as e:
             raise ValueError(f"step {self.step + 1}: {e}") from e
+        result.input_checks = checks
         self.last_result = result
         return result
 
     def _logit_scale_tensor(self) -> torch.Tensor:
         with torch.no_grad():
             return self.engine("logit_scale").float()
-
-    def _logit_scale(self) -> float:
-        return float(self._logit_scale_tensor())
 
     def _scale_of(self, logit_scale: float) -> float:
         """The scale the loss applies: ``exp(logit_scale)`` clamped as the loss module clamps it."""
@@ -418,7 +418,7 @@ class Trainer:
         data_counts = sum_over_ranks(self.task.data_report())
         if data_counts:
             self.log("data: " + ", ".join(f"{k}={v}" for k, v in sorted(data_counts.items())))
-        final_scale = self._logit_scale()
+        final_scale = float(self._logit_scale_tensor())
         self.beat()
         if self.save_params_path:
             save_params(engine, self.save_params_path, rank)
