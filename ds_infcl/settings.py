@@ -75,7 +75,7 @@ class Setting:
     shown: str = ""
 
 
-_ALGO, _GRAPHS, _KERNELS, _TUNING, _DATA = "algorithm", "graphs", "kernels", "tuning", "data"
+_ALGO, _GRAPHS, _KERNELS, _TUNING, _TRAINER, _DATA = "algorithm", "graphs", "kernels", "tuning", "trainer", "data"
 
 # The page's sections, in order: (key, title, prose under the title).
 SECTIONS: Tuple[Tuple[str, str, str], ...] = (
@@ -90,6 +90,7 @@ SECTIONS: Tuple[Tuple[str, str, str], ...] = (
      "These override the measured tiles, for `python -m ds_infcl.bench.triton_tune` and A/B runs. Each\n"
      "is read at the kernel's launch; a malformed value is an error that names the variable and its\n"
      "format."),
+    (_TRAINER, "The trainer ([training.md](training.md))", ""),
     (_DATA, "Data and tests", ""),
 )
 
@@ -216,6 +217,11 @@ SETTINGS: Tuple[Setting, ...] = (
     _S("DS_INFCL_GLUON_FWD_TILES", "text", None, CALL, MAY_DIFFER, _TUNING,
        "the Gluon forward's tiles", values="`BM,BN,BK,stages,turns[,consumer_regs,producer_regs,maxnreg]`",
        shown="measured"),
+    # -- the trainer -----------------------------------------------------------------------------------------
+    _S("DS_INFCL_SYNC_FREE", "flag", True, CALL, MAY_DIFFER, _TRAINER,
+       "`1`: the trainer replaces DeepSpeed 0.19's gradient-norm mask and ZeRO-1/2 gradient clip by versions "
+       "that compute the same values without making the host wait for the GPU (`ds_infcl/train/ds_sync_free.py`, "
+       "[training.md](training.md#measured)); `0` leaves DeepSpeed as is (for A/B runs: the results are the same)"),
     # -- data and tests ---------------------------------------------------------------------------------------
     _S("DS_INFCL_DIGITS", "text", None, CALL, MAY_DIFFER, _DATA,
        "where the built-in digits data (`builtin:digits`) lives (unset: `data/digits`, relative to the working "

@@ -10,6 +10,8 @@
 - ``checkpoint``, ``metrics``, ``export``: the components the trainer owns (checkpoints, logs and
   FLOP counts, the final parameters and model export); ``cli``: ``python -m ds_infcl.train``.
 - ``dist``: process group set-up, timeouts, clean exits.
+- ``ds_sync_free``: DeepSpeed's gradient-norm mask and ZeRO-1/2 clip without host waits (the trainer
+  installs them before ``deepspeed.initialize``).
 
 This package is the engine: it runs any task through the interface of ``ds_infcl.tasks.base``
 and imports no task module, demo or benchmark (``tests/test_layout.py``). Tasks live in

@@ -37,7 +37,7 @@ import torch
 
 from ds_infcl.ops.validation import deferred_value_checks
 from ds_infcl.tasks.base import Batch, as_batch, get_task
-from ds_infcl.train import zero3_gather
+from ds_infcl.train import ds_sync_free, zero3_gather
 from ds_infcl.train.checkpoint import load_checkpoint, run_id_after, save_checkpoint
 from ds_infcl.train.config import RunConfig
 from ds_infcl.train.dist import ProgressWatchdog, accelerator_name, init_distributed, local_device
@@ -116,8 +116,7 @@ class Trainer:
         self.save_params_path = save_params
         self.watchdog: Optional[ProgressWatchdog] = None
         self.logger: Optional[MetricsLogger] = None
-        self.engine = None
-        self.data = None
+        self.engine = self.data = None
         self._closed = False
         init_distributed(cfg.dist.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -170,6 +169,7 @@ class Trainer:
         as in any DP run)."""
         import deepspeed
 
+        ds_sync_free.install(self.log)  # DeepSpeed's norm mask and clip without host waits (train/ds_sync_free.py)
         cfg = self.cfg
         seed_all(cfg.train.seed)
         stage = int(self.ds_cfg.get("zero_optimization", {}).get("stage", 0))

@@ -5,8 +5,10 @@
 
 Runs the synthetic task (a 1-rank world without a launcher, or the launcher's ranks) for three warm-up steps, then four steps
 under ``torch.cuda.set_sync_debug_mode("warn")``, and prints one JSON line ``TRAINER_SYNCS
-{"steps": 4, "sources": {"<innermost ds_infcl or deepspeed frame>": count, ...}}`` (rank 0's). A
-synchronization is charged to the innermost frame of ds_infcl or DeepSpeed in its stack.
+{"steps": 4, "sources": {"<innermost ds_infcl or deepspeed frame>": count, ...}, "sync_free": true}``
+(rank 0's). A synchronization is charged to the innermost frame of ds_infcl or DeepSpeed in its
+stack. ``sync_free``: whether the trainer replaced DeepSpeed's gradient-norm mask and clip
+(``ds_infcl/train/ds_sync_free.py``; their waits are then charged to that file if any remain).
 """
 
 import collections
@@ -19,6 +21,7 @@ import warnings
 
 import torch
 
+from ds_infcl.train import ds_sync_free
 from ds_infcl.train.config import run_config_from_dict
 from ds_infcl.train.dist import exit_process
 from ds_infcl.train.trainer import Trainer
@@ -70,7 +73,7 @@ def count(ds_config: dict, grad_cache) -> dict:
         finally:
             warnings.showwarning = previous
         trainer.inflight.settle()
-    return {"steps": STEPS, "sources": dict(sources)}
+    return {"steps": STEPS, "sources": dict(sources), "sync_free": ds_sync_free.installed()}
 
 
 if __name__ == "__main__":

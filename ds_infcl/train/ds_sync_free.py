@@ -1,0 +1,196 @@
+"""DeepSpeed's gradient-norm mask and ZeRO-1/2 gradient clip without host waits: ``install()``
+swaps two functions of DeepSpeed 0.19 for versions that compute the same values bit for bit, on
+the device.
+
+The trainer launches each step before it reads the step before (``train/inflight.py``), so the
+host can run ahead of the GPU. Inside DeepSpeed's ZeRO-1/2 optimizer step, three reads made the
+host wait for the step's backward to finish, in every step. ``tests/gpu/trainer_syncs.py``
+counted them with ZeRO-1/2 in bf16 on DeepSpeed 0.19.8:
+
+- ``deepspeed.runtime.utils.mask_nan_or_inf_with_val_inplace`` sets a non-finite gradient norm to
+  the sentinel -1 at the end of ``get_grad_norm_direct`` (also ZeRO-3's offload norm and
+  ``get_global_norm_of_tensors``). It built its -1.0 with ``torch.tensor(-1.0, device=...)``, a
+  copy from pageable host memory that waits for the queue. It then filled with that 0-dim device
+  tensor, and ``masked_fill_`` reads such a value on the host. The replacement fills with the
+  Python float -1.0.
+- ``DeepSpeedZeroOptimizer.unscale_and_clip_grads`` clips an invalid norm (non-finite, or the -1
+  sentinel) as if it were +inf. It found an invalid norm with ``is_invalid_grad_norm``, a
+  ``bool`` of a device tensor. The replacement chooses with ``torch.where`` on the device, and
+  the combined scale stays a device tensor.
+
+While the host waited, the GPU's queue ran dry, so the GPU then idled through the host's own
+part of the optimizer step (DeepSpeed's Python, a kernel launch per tensor) and the next step's
+first launches. At small per-GPU batches, where a step's kernels are short, that idle time is a
+large share of the step. The replacements' effect on the speed is not yet measured on a GPU.
+
+Only known code is replaced. DeepSpeed must be 0.19.x, and each original's source text must be
+the one these replacements were written from (``KNOWN_SOURCES``: DeepSpeed 0.19.8's; the mask is
+the same text from 0.19.0). Anything else is left as is, and one log line says so. The earlier
+0.19 releases (0.19.0 to 0.19.5) have a clip without the check, which reads nothing on the host.
+``DS_INFCL_SYNC_FREE=0`` leaves DeepSpeed as is (for A/B runs: the results are the same).
+
+Not replaced: the ZeRO-3 step still reads ``is_invalid_grad_norm`` of the norm to skip the step,
+and its ``get_grad_norm_direct`` still copies its -1.0 from host memory inline. An fp16 step (or
+``check_grad_overflow``) reads the norm or the overflow flag, because the read decides whether
+the step is skipped. The CPU-offload norms are summed on the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+import re
+import sys
+import textwrap
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ds_infcl import settings
+
+__all__ = ["install", "installed", "mask_nan_or_inf_with_val_inplace", "unscale_and_clip_grads",
+           "KNOWN_SOURCES", "source_hash"]
+
+KNOWN_MINOR = (0, 19)
+# sha256 (first 16 hex digits) of each replaced function's source, dedented, as DeepSpeed 0.19.8
+# has it (``source_hash``). A function whose source differs is left as is.
+KNOWN_SOURCES = {
+    "mask_nan_or_inf_with_val_inplace": "9728853d4df6cd69",
+    "unscale_and_clip_grads": "92a57088034fcd50",
+}
+# The modules that bind the mask under its name (``grep -rn mask_nan_or_inf_with_val_inplace`` in
+# DeepSpeed 0.19.8); any other loaded deepspeed module that holds it is found by ``_mask_owners``.
+MASK_MODULES = ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
+
+_originals: Dict[Tuple[object, str], Callable] = {}  # (module or class, name) -> the function replaced there
+
+
+def mask_nan_or_inf_with_val_inplace(input, device=None, val=-1.):
+    """Set every NaN or +-Inf element of ``input`` to -1.0, in place, with no host read.
+
+    DeepSpeed's version filled with ``torch.tensor(-1.0, device=device)``: a pageable copy, and a
+    0-dim tensor value that ``masked_fill_`` reads on the host. Like it, this fills -1.0 whatever
+    ``val`` says (every DeepSpeed caller passes the default) and needs no ``device``.
+    """
+    input.masked_fill_(input.isnan().logical_or(input.isinf()), -1.0)
+
+
+def _inf_if_invalid(norm, device):
+    """``norm``, or +inf where it is invalid (non-finite or negative: the -1 sentinel), as
+    DeepSpeed's clip decides with ``is_invalid_grad_norm``. For a tensor the choice is a
+    ``torch.where`` on its device. Any invalid element makes every element +inf, as the original's
+    ``.any()`` does. A Python float stays on the host, as in the original."""
+    if torch.is_tensor(norm):
+        invalid = (~torch.isfinite(norm) | (norm < 0)).any()
+        return torch.where(invalid, torch.full_like(norm, math.inf), norm)
+    if math.isfinite(float(norm)) and not norm < 0:
+        return norm
+    return torch.full((), math.inf, dtype=torch.float, device=device)
+
+
+def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+    """``DeepSpeedZeroOptimizer.unscale_and_clip_grads`` without the host read of the norm: the
+    grads (flat tensors, or lists of sub-partitions) are multiplied in place by
+    ``1 / combined_scale``, with ``combined_scale = max(1, (norm / loss_scale + 1e-6) / clip_grad)
+    * loss_scale`` when clipping is on (an invalid norm counts as +inf, so its grads become 0 or
+    NaN), else ``loss_scale``. Nothing to do when ``clip_grad == 0`` and ``loss_scale == 1``.
+    The same operations in the same order as DeepSpeed 0.19.8's, so the same bits."""
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.:
+        clip_norm = _inf_if_invalid(total_norm, self.device)
+        # the norm is in fact norm * loss_scale
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * self.loss_scale
+    inverse = 1. / combined_scale  # once, not per tensor: the same value, fewer launches
+    for grad in grad_groups_flat:
+        for g in (grad if isinstance(grad, list) else [grad]):
+            g.data.mul_(inverse)
+
+
+def source_hash(fn: Callable) -> Optional[str]:
+    """sha256 (first 16 hex digits) of ``fn``'s dedented source; ``None`` where there is none."""
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _minor(version: str) -> Optional[Tuple[int, int]]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _mask_owners(original: Callable) -> List[object]:
+    """Every loaded deepspeed module that binds ``original`` as ``mask_nan_or_inf_with_val_inplace``
+    (the modules of ``MASK_MODULES`` imported first)."""
+    for name in MASK_MODULES:
+        importlib.import_module(name)
+    loaded = sorted((name, module) for name, module in list(sys.modules.items())
+                    if module is not None and name.split(".")[0] == "deepspeed")
+    return [module for _, module in loaded if getattr(module, "mask_nan_or_inf_with_val_inplace", None) is original]
+
+
+def _targets() -> List[Tuple[str, List[Tuple[object, str]], Callable, Callable]]:
+    """``(name, [(owner, attribute), ...], original, replacement)`` for the two functions."""
+    import deepspeed.runtime.utils as ds_utils
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    mask = ds_utils.mask_nan_or_inf_with_val_inplace
+    clip = DeepSpeedZeroOptimizer.__dict__.get("unscale_and_clip_grads")
+    return [
+        ("mask_nan_or_inf_with_val_inplace", [(m, "mask_nan_or_inf_with_val_inplace") for m in _mask_owners(mask)],
+         mask, mask_nan_or_inf_with_val_inplace),
+        ("unscale_and_clip_grads", [(DeepSpeedZeroOptimizer, "unscale_and_clip_grads")], clip, unscale_and_clip_grads),
+    ]
+
+
+def installed() -> bool:
+    """Whether the replacements are in place in this process."""
+    return bool(_originals)
+
+
+def _restore() -> None:
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+
+
+def install(log: Optional[Callable[[str], None]] = None) -> bool:
+    """Replace DeepSpeed's gradient-norm mask (in every module that binds it) and
+    ``DeepSpeedZeroOptimizer.unscale_and_clip_grads`` by this module's versions, where DeepSpeed
+    is 0.19.x and each original is the known code (``KNOWN_SOURCES``). Idempotent; the one line
+    of ``log`` says what was replaced or why nothing was. ``DS_INFCL_SYNC_FREE=0`` puts back
+    DeepSpeed's own functions. Returns whether any replacement is in place."""
+    say = log or (lambda msg: None)
+    if not settings.get("DS_INFCL_SYNC_FREE"):
+        _restore()
+        say("DS_INFCL_SYNC_FREE=0: DeepSpeed's gradient-norm mask and ZeRO-1/2 clip left as is (host waits included)")
+        return False
+    if _originals:
+        return True
+    import deepspeed
+
+    version = deepspeed.__version__
+    if _minor(version) != KNOWN_MINOR:
+        say(f"DeepSpeed {version} left as is: train/ds_sync_free.py replaces the gradient-norm code of "
+            f"DeepSpeed {KNOWN_MINOR[0]}.{KNOWN_MINOR[1]}.x only (its host waits stay)")
+        return False
+    done, left = [], []
+    for name, owners, original, replacement in _targets():
+        if source_hash(original) != KNOWN_SOURCES[name]:
+            left.append(name)
+            continue
+        for owner, attribute in owners:
+            _originals[(owner, attribute)] = original
+            setattr(owner, attribute, replacement)
+        done.append(name)
+    msg = f"DeepSpeed {version}: " + (f"{', '.join(done)} replaced by versions without host waits "
+                                       "(train/ds_sync_free.py)" if done else "nothing replaced")
+    say(msg + (f"; left as is, not the known code: {', '.join(left)}" if left else ""))
+    return bool(done)
