@@ -1,0 +1,190 @@
+"""The training step against OpenCLIP's best compiled configuration, every table in one command.
+
+At each per-GPU batch, OpenCLIP's best is the fastest configuration that reaches that batch on
+the same GPUs: its compiled plain step where the batch fits, else compiled ``accum_freq`` over its
+largest micro-batch that fits. Our step is ZeRO-1, ``grad_cache: "auto"``, with compiled blocks.
+Each table is one ``ds_infcl.bench.engine`` command. Where the machine has twice the table's GPUs,
+OpenCLIP's cases run on the other half at the same time (``--side-by-side``), so both sides share
+the host alike::
+
+    python -m ds_infcl.bench.vs_openclip --out runs/vs_openclip
+    python -m ds_infcl.bench.vs_openclip --tables clip-1 --batches 512 --out runs/quick
+
+The tables (``--tables``; the default is every one the visible GPUs allow):
+
+- ``clip-1`` / ``clip-2``: ViT-B/16 with the CLIP loss on 1 or 2 GPUs, at 512, 2,048 and 16,384
+  per GPU;
+- ``siglip-1`` / ``siglip-2``: the same with the SigLIP loss (OpenCLIP's ``--siglip``);
+- ``vitl-1``: ViT-L/14 with the CLIP loss on 1 GPU, at 2,048.
+
+OpenCLIP's micro-batches follow the GPU's memory. With more than 100 GiB (an H200), ViT-B/16 uses
+1,024 and ViT-L/14 512. Otherwise (an 80 GB H100), 512 and 256.
+
+Every engine command's own output and folder are kept under ``--out/<table>``. ``results.md`` /
+``results.csv`` under ``--out`` hold the combined table, rewritten after each table, and the table
+is printed last. Samples/s are per GPU; ours is timed on the device clock
+(``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ds_infcl.bench.launching import _gpu_info, _visible_gpu_ids
+
+__all__ = ["TABLES", "Table", "engine_command", "best_rows", "main"]
+
+
+@dataclass(frozen=True)
+class Table:
+    model: str
+    loss: str  # "clip" or "siglip"
+    gpus: int
+    arch: str
+    batches: Tuple[int, ...]  # per GPU
+    chunk: int
+
+    @property
+    def ours(self) -> str:
+        return ("siglip" if self.loss == "siglip" else "infcl") + "+compile+gcauto"
+
+
+TABLES: Dict[str, Table] = {
+    "clip-1": Table("ViT-B/16", "clip", 1, "vit-b-16", (512, 2048, 16384), 512),
+    "clip-2": Table("ViT-B/16", "clip", 2, "vit-b-16", (512, 2048, 16384), 512),
+    "siglip-1": Table("ViT-B/16", "siglip", 1, "vit-b-16", (512, 2048, 16384), 512),
+    "siglip-2": Table("ViT-B/16", "siglip", 2, "vit-b-16", (512, 2048, 16384), 512),
+    "vitl-1": Table("ViT-L/14", "clip", 1, "vit-l-14", (2048,), 256),
+}
+
+
+def openclip_micro(table: Table, mem_gib: Optional[float]) -> int:
+    """OpenCLIP's largest compiled micro-batch per GPU that fits (measured on H100 and H200)."""
+    large = mem_gib is not None and mem_gib > 100
+    if table.arch == "vit-l-14":
+        return 512 if large else 256
+    return 1024 if large else 512
+
+
+def engine_command(table: Table, batches: Sequence[int], micro: int, side_by_side: bool, out: str,
+                   steps: int = 5) -> List[str]:
+    """The ``ds_infcl.bench.engine`` command of one table at ``batches`` per GPU."""
+    plain = sorted(b for b in batches if b <= micro) or [micro]  # its plain step where the batch fits
+    accum = [b for b in batches if b > micro]
+    cmd = [sys.executable, "-m", "ds_infcl.bench.engine", "--num-gpus", str(table.gpus), "--arch", table.arch,
+           "--no-search", "--deepspeed-config", "ds_configs/zero1.json", "--chunk-size", str(table.chunk),
+           "--steps", str(steps), "--throughput-batch", *[str(b * table.gpus) for b in batches],
+           "--impls", table.ours, "openclip_step", "--openclip-modes", "compile",
+           "--openclip-batches", *map(str, plain), "--openclip-accum-micro", str(micro), "--openclip-steps", "3",
+           "--case-timeout", "600", "--label", f"{table.model} {table.loss}, {table.gpus} GPU(s), vs OpenCLIP",
+           "--out", out]
+    if accum:
+        cmd[cmd.index("--openclip-accum-micro"):cmd.index("--openclip-accum-micro")] = \
+            ["--openclip-accum-batches", *map(str, accum)]
+    if table.loss == "siglip":
+        cmd += ["--openclip-loss", "siglip"]
+    if side_by_side:
+        cmd.append("--side-by-side")
+    return cmd
+
+
+def best_rows(name: str, table: Table, rows: List[Dict[str, str]], batches: Sequence[int]) -> List[Dict[str, object]]:
+    """For each per-GPU batch: our row of the engine's ``results.csv`` rows, and the fastest
+    OpenCLIP row at the same global batch (``none ran`` where none did)."""
+    out = []
+    for b in batches:
+        at = [r for r in rows if int(r["global_batch"]) == b * table.gpus and r["status"] == "ok"]
+        ours = [r for r in at if r["impl"] == table.ours]
+        peers = [r for r in at if r["impl"].startswith("openclip_step")]
+        row: Dict[str, object] = {"table": name, "model": table.model, "loss": table.loss, "gpus": table.gpus,
+                                  "per_gpu_batch": b, "ours": "", "openclip_best": "none ran", "openclip": "",
+                                  "ratio": ""}
+        if ours:
+            row["ours"] = float(ours[0]["samples_per_s_per_gpu"])
+        if peers:
+            best = max(peers, key=lambda r: float(r["samples_per_s_per_gpu"]))
+            row["openclip_best"] = best["impl"].replace("openclip_step ", "")
+            row["openclip"] = float(best["samples_per_s_per_gpu"])
+        if ours and peers:
+            row["ratio"] = f"{row['ours'] / row['openclip']:.2f}x"
+        out.append(row)
+    return out
+
+
+def _markdown(rows: List[Dict[str, object]], header: str) -> str:
+    lines = [header, "", "| model, loss | GPUs | per-GPU batch | ours | OpenCLIP's best | samples/s | ours / OpenCLIP |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['model']}, {r['loss'].upper() if r['loss'] == 'clip' else 'SigLIP'} | {r['gpus']} | "
+                     f"{r['per_gpu_batch']:,} | {r['ours'] or 'failed'} | {r['openclip_best']} | {r['openclip']} | "
+                     f"{r['ratio']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: str, rows: List[Dict[str, object]], header: str) -> str:
+    text = _markdown(rows, header)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["table"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return text
+
+
+def _read_rows(path: str) -> List[Dict[str, str]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--tables", nargs="+", choices=sorted(TABLES), default=None,
+                   help="the tables to run (default: every one the visible GPUs allow)")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="per-GPU batches instead of each table's own (e.g. 512 for a quick check)")
+    p.add_argument("--steps", type=int, default=5, help="our timed steps + 1 (the first compiles and is not timed)")
+    p.add_argument("--no-side-by-side", action="store_true",
+                   help="run OpenCLIP's cases after ours on the same GPUs even where twice the GPUs are visible")
+    p.add_argument("--out", default="runs/vs_openclip")
+    args = p.parse_args(argv)
+    gpus, info = len(_visible_gpu_ids()), _gpu_info()
+    names = args.tables or [n for n, t in TABLES.items() if t.gpus <= gpus]
+    if not names:
+        raise SystemExit(f"no table fits the {gpus} visible GPU(s): each needs at least 1 (CUDA_VISIBLE_DEVICES, nvidia-smi)")
+    too_big = [n for n in names if TABLES[n].gpus > gpus]
+    if too_big:
+        raise SystemExit(f"--tables {' '.join(too_big)} need(s) more GPUs than the {gpus} visible")
+    os.makedirs(args.out, exist_ok=True)
+    header = f"# Ours against OpenCLIP's best compiled configuration, {info['name']}"
+    rows: List[Dict[str, object]] = []
+    for name in names:
+        table = TABLES[name]
+        batches = tuple(args.batches or table.batches)
+        side = not args.no_side_by_side and gpus >= 2 * table.gpus
+        folder = os.path.join(args.out, name)
+        cmd = engine_command(table, batches, openclip_micro(table, info["mem_gib"]), side, folder, args.steps)
+        print(f"[vs_openclip] {name}: {' '.join(cmd[1:])}", flush=True)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "engine.log"), "w") as log:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        engine_rows = _read_rows(os.path.join(folder, "results.csv"))
+        if code != 0 or not engine_rows:
+            print(f"[vs_openclip] {name}: the engine exited {code}; see {folder}/engine.log", flush=True)
+        rows += best_rows(name, table, engine_rows, batches)
+        _write(args.out, rows, header)
+    print(_markdown(rows, header), flush=True)
+    return 0 if all(r["ratio"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
