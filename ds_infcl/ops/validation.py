@@ -136,7 +136,7 @@ def check_values(
         return
     device = values[0].device
     stacked = torch.stack([v.to(device=device, dtype=torch.int64) for v in values])
-    context = _Context(query, key, scale, bias, num_keys)
+    context = _Context(_rows(query), _rows(key), scale, bias, num_keys)
     pending = _PENDING.get()
     if pending is not None and (labels is None or pending.labels_checked):
         pending.add(names, stacked, context)
@@ -144,12 +144,17 @@ def check_values(
     _raise_for(dict(zip(names, stacked.tolist())), context)
 
 
+def _rows(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else int(t.shape[0])
+
+
 @dataclass
 class _Context:
-    """What the messages of :func:`check_values` name: the rows and the scale and bias."""
+    """What the messages of :func:`check_values` name: the rows of the features (not the features:
+    a queued check must not keep them alive), the scale and bias, the number of keys."""
 
-    query: Optional[torch.Tensor]
-    key: Optional[torch.Tensor]
+    query_rows: Optional[int]
+    key_rows: Optional[int]
     scale: object
     bias: object
     num_keys: int
@@ -157,11 +162,11 @@ class _Context:
 
 def _raise_for(got: Dict[str, int], ctx: _Context) -> None:
     """The ``ValueError`` of the first failed check in ``got`` (name -> count or label bound)."""
-    for name, t in (("query", ctx.query), ("key", ctx.key)):
+    for name, rows in (("query", ctx.query_rows), ("key", ctx.key_rows)):
         bad = got.get(name, 0)
         if bad:
             raise ValueError(
-                f"{name} has {bad} of {t.shape[0]} rows with NaN or Inf values; "
+                f"{name} has {bad} of {rows} rows with NaN or Inf values; "
                 "check the encoder (fp16 overflow, a bad sample, a diverged step)"
             )
     if got.get("scale", 0):
