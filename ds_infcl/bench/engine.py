@@ -273,6 +273,14 @@ def _openclip_rows(args) -> List[Dict]:
     return rows
 
 
+def fastest_openclip(rows: List[Dict], global_batch, gpus) -> Optional[Dict]:
+    """The fastest OpenCLIP row that ran at ``global_batch`` on ``gpus`` GPUs, or ``None``. Rows
+    as this module makes them, or as read back from its ``results.csv`` (strings)."""
+    peers = [o for o in rows if o["phase"] == "openclip" and o["status"] == "ok"
+             and int(o["global_batch"]) == int(global_batch) and int(o["gpus"]) == int(gpus)]
+    return max(peers, key=lambda o: float(o["samples_per_s_per_gpu"]), default=None)
+
+
 def best_openclip_lines(rows: List[Dict]) -> List[str]:
     """Markdown rows: each of our throughput rows beside the fastest OpenCLIP configuration that
     ran at the same global batch on the same GPUs (named), and their ratio; ``none ran`` where no
@@ -282,12 +290,10 @@ def best_openclip_lines(rows: List[Dict]) -> List[str]:
     for r in rows:
         if r["phase"] != "throughput" or r["status"] != "ok":
             continue
-        peers = [o for o in rows if o["phase"] == "openclip" and o["status"] == "ok"
-                 and o["global_batch"] == r["global_batch"] and o["gpus"] == r["gpus"]]
-        if not peers:
+        best = fastest_openclip(rows, r["global_batch"], r["gpus"])
+        if best is None:
             lines.append(f"| {r['impl']} | {r['global_batch']} | {r['samples_per_s_per_gpu']} | none ran | | |")
             continue
-        best = max(peers, key=lambda o: o["samples_per_s_per_gpu"])
         ratio = r["samples_per_s_per_gpu"] / best["samples_per_s_per_gpu"]
         lines.append(f"| {r['impl']} | {r['global_batch']} | {r['samples_per_s_per_gpu']} | {best['impl']} | "
                      f"{best['samples_per_s_per_gpu']} | {ratio:.2f}x |")

@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ds_infcl.bench.engine import fastest_openclip
 from ds_infcl.bench.launching import _gpu_info, _visible_gpu_ids
 
 __all__ = ["TABLES", "Table", "engine_command", "best_rows", "main"]
@@ -96,22 +97,21 @@ def engine_command(table: Table, batches: Sequence[int], micro: int, side_by_sid
 
 def best_rows(name: str, table: Table, rows: List[Dict[str, str]], batches: Sequence[int]) -> List[Dict[str, object]]:
     """For each per-GPU batch: our row of the engine's ``results.csv`` rows, and the fastest
-    OpenCLIP row at the same global batch (``none ran`` where none did)."""
+    OpenCLIP row at the same global batch (``engine.fastest_openclip``; ``none ran`` where none did)."""
     out = []
     for b in batches:
-        at = [r for r in rows if int(r["global_batch"]) == b * table.gpus and r["status"] == "ok"]
-        ours = [r for r in at if r["impl"] == table.ours]
-        peers = [r for r in at if r["impl"].startswith("openclip_step")]
+        ours = [r for r in rows if r["phase"] == "throughput" and r["impl"] == table.ours and r["status"] == "ok"
+                and int(r["global_batch"]) == b * table.gpus]
+        best = fastest_openclip(rows, b * table.gpus, table.gpus)
         row: Dict[str, object] = {"table": name, "model": table.model, "loss": table.loss, "gpus": table.gpus,
                                   "per_gpu_batch": b, "ours": "", "openclip_best": "none ran", "openclip": "",
                                   "ratio": ""}
         if ours:
             row["ours"] = float(ours[0]["samples_per_s_per_gpu"])
-        if peers:
-            best = max(peers, key=lambda r: float(r["samples_per_s_per_gpu"]))
+        if best is not None:
             row["openclip_best"] = best["impl"].replace("openclip_step ", "")
             row["openclip"] = float(best["samples_per_s_per_gpu"])
-        if ours and peers:
+        if ours and best is not None:
             row["ratio"] = f"{row['ours'] / row['openclip']:.2f}x"
         out.append(row)
     return out

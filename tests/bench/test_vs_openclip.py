@@ -58,8 +58,10 @@ def test_the_clip_2_command_global_batches_and_openclip_configurations():
     assert _values(siglip, "--openclip-batches") == ["512"] and "--side-by-side" in siglip
 
 
-def _row(impl, gb, sps, status="ok"):
-    return {"impl": impl, "global_batch": str(gb), "samples_per_s_per_gpu": str(sps), "status": status}
+def _row(impl, gb, sps, status="ok", gpus=2):
+    phase = "openclip" if impl.startswith("openclip_step") else "throughput"
+    return {"phase": phase, "impl": impl, "gpus": str(gpus), "global_batch": str(gb), "samples_per_s_per_gpu": str(sps),
+            "status": status}
 
 
 def test_best_rows_pick_the_fastest_openclip_at_the_same_global_batch():
@@ -86,11 +88,12 @@ def test_a_run_over_stand_in_engine_results(tmp_path, monkeypatch, capsys):
         out = _values(cmd, "--out")[0]
         ours = _values(cmd, "--impls")[0]
         with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["impl", "global_batch", "samples_per_s_per_gpu", "status"])
+            w = csv.DictWriter(f, fieldnames=["phase", "impl", "gpus", "global_batch", "samples_per_s_per_gpu", "status"])
             w.writeheader()
+            gpus = int(_values(cmd, "--num-gpus")[0])
             for gb in map(int, _values(cmd, "--throughput-batch")):
-                w.writerow(_row(ours, gb, 3000.0))
-                w.writerow(_row("openclip_step compiled", gb, 2500.0))
+                w.writerow(_row(ours, gb, 3000.0, gpus=gpus))
+                w.writerow(_row("openclip_step compiled", gb, 2500.0, gpus=gpus))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(vs_openclip.subprocess, "run", fake_run)
