@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "check_features", "check_labels",
-           "check_scale", "check_tile_size", "deferred_value_checks"]
+           "check_label_bounds", "check_scale", "check_tile_size", "deferred_value_checks"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -174,12 +174,16 @@ def _raise_for(got: Dict[str, int], ctx: _Context) -> None:
     if got.get("bias", 0):
         raise ValueError(f"bias must be finite, got {float(ctx.bias.detach())}")
     if "labels_min" in got:
-        lo, hi = got["labels_min"], got["labels_max"]
-        if lo < 0 or hi >= ctx.num_keys:
-            raise ValueError(
-                f"labels must lie in [0, {ctx.num_keys}) (indices into the local keys); "
-                f"got values from {lo} to {hi}"
-            )
+        check_label_bounds(got["labels_min"], got["labels_max"], ctx.num_keys)
+
+
+def check_label_bounds(lo: int, hi: int, num_keys: int) -> None:
+    """``ValueError`` unless labels from ``lo`` to ``hi`` index ``num_keys`` local keys."""
+    if lo < 0 or hi >= num_keys:
+        raise ValueError(
+            f"labels must lie in [0, {num_keys}) (indices into the local keys); "
+            f"got values from {lo} to {hi}"
+        )
 
 
 class DeferredChecks:
@@ -189,9 +193,9 @@ class DeferredChecks:
     forward in every step).
 
     ``labels_checked``: the caller knows the labels of the block's loss calls are in range, so
-    their check is queued too (else a call with labels reads at once). The trainer checks a task's
-    host labels before it copies them (``Batch.loss_kwargs``) and makes the default ones on the
-    device itself.
+    their check is queued too (else a call with labels reads at once). The trainer vouches with
+    ``Batch.labels_known_in_range``: the default labels are made on the device, and a task's host
+    labels are checked in ``Batch.loss_kwargs`` before the copy.
     """
 
     def __init__(self, labels_checked: bool = False) -> None:

@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from ds_infcl.ops.validation import check_label_bounds
+
 __all__ = [
     "Batch",
     "Task",
@@ -125,17 +127,21 @@ class Batch:
             key_inputs=tree_map(fn, self.key_inputs),
         )
 
+    @property
+    def labels_known_in_range(self) -> bool:
+        """Whether ``loss_kwargs`` hands the loss labels known to index the local keys: the
+        default ones (made on the device), or a task's host labels, which it checks on the host
+        before the copy (free there). The trainer then lets the loss queue its own label check
+        with the others (``ds_infcl.ops.validation.deferred_value_checks``) instead of reading it
+        before any kernel indexes the keys with them."""
+        return self.labels is None or self.labels.device.type == "cpu"
+
     def loss_kwargs(self, device: torch.device, sample_index: bool = False) -> Dict[str, Any]:
         """``labels`` and ``loss_inputs`` (and ``sample_index`` for losses that declare
         ``needs_sample_index``, FastCLIP's) on ``device``: the keyword arguments of the loss."""
         labels = self.resolved_labels(device)
-        if self.labels is not None and labels.device.type == "cpu" and labels.numel():
-            # Checked here, on the host, before any kernel indexes the keys with them: the trainer
-            # reads the loss's own input checks only after the step (``deferred_value_checks``).
-            num_keys, lo, hi = len(self) * self.keys_per_query, int(labels.min()), int(labels.max())
-            if lo < 0 or hi >= num_keys:
-                raise ValueError(f"labels must lie in [0, {num_keys}) (indices into the local keys); "
-                                 f"got values from {lo} to {hi}")
+        if self.labels is not None and self.labels_known_in_range and labels.numel():
+            check_label_bounds(int(labels.min()), int(labels.max()), len(self) * self.keys_per_query)
         out = {"labels": _to_device(labels, device)}
         if sample_index:
             out["sample_index"] = _to_device(self.sample_index, device)

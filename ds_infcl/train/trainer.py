@@ -341,7 +341,7 @@ class Trainer:
         pass); the loss's input errors (NaN/Inf features, ...) name the step."""
         cfg = self.cfg
         try:
-            with deferred_value_checks(labels_checked=batch.labels is None or not batch.labels.is_cuda) as checks:
+            with deferred_value_checks(labels_checked=batch.labels_known_in_range) as checks:
                 if cfg.batch.grad_cache:
                     result = grad_cache_step(self.engine, batch, cfg.batch.chunk_size, self.device,
                                              verify_replay=cfg.batch.verify_replay, gather_params=self.gather,

@@ -109,5 +109,8 @@ def test_a_batch_checks_its_host_labels_before_they_reach_the_device():
         batch.loss_kwargs(torch.device("cpu"))
     batch.labels = torch.tensor([1, 2, 5])
     assert batch.loss_kwargs(torch.device("cpu"))["labels"].tolist() == [1, 2, 5]
+    assert batch.labels_known_in_range  # so the trainer may queue the loss's own label check
+    batch.labels = torch.tensor([1, 2, 5], device="meta")  # a task's labels already on a device: not checked here
+    assert not batch.labels_known_in_range
     assert Batch(query_inputs=torch.zeros(3, 2), key_inputs=torch.zeros(6, 2), sample_index=torch.arange(3),
                  keys_per_query=2).loss_kwargs(torch.device("cpu"))["labels"].tolist() == [0, 2, 4]
