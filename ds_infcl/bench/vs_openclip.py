@@ -181,8 +181,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if code != 0 or not engine_rows:
             print(f"[vs_openclip] {name}: the engine exited {code}; see {folder}/engine.log", flush=True)
         rows += best_rows(name, table, engine_rows, batches)
-        _write(args.out, rows, header)
-    print(_markdown(rows, header), flush=True)
+        text = _write(args.out, rows, header)
+    print(text, flush=True)
     return 0 if all(r["ratio"] for r in rows) else 1
 
 
