@@ -29,7 +29,7 @@ start() {
     # shellcheck disable=SC2086
     setsid nohup sh -c "PYTHONUNBUFFERED=1 $PY -m ds_infcl.bench.engine --task bench_decoder --num-gpus 4 \
         --task-args '{\"arch\": \"$ARCH\", \"seq_len\": 256, \"num_negatives\": 1, \"init_device\": \"cuda\"}' \
-        --impls $CASES --throughput-batch 16384 --steps 1 --no-search \
+        --impls $CASES --throughput-batch 16384 --steps 1 --warmup 0 --no-search \
         --deepspeed-config ds_configs/zero3.json --case-timeout 1200 \
         --st-batch 512 --st-mini-batch 16 --st-steps 2 --st-lora-r 16 \
         --label '7B, ZeRO-3, 16,384 pairs, one step' --out $DIR; echo \$? > $DIR/rc" \

@@ -47,8 +47,12 @@ from ds_infcl.errors import ConfigError
 __all__ = [
     "PackedTexts", "pack_texts", "pool_packed", "pool_padded", "PACKED_POOLING", "decoder_matmul_params",
     "decoder_flops", "apply_liger", "LayerCheckpointing", "activation_bytes", "decoder_layers", "liger_available",
-    "check_decoder_options", "TokenTally",
+    "check_decoder_options", "TokenTally", "LIGER_MARK",
 ]
+
+# apply_liger sets this attribute on the model it patched (the kernels applied): model.compile
+# refuses towers that carry it (train/model.py, compile_towers).
+LIGER_MARK = "ds_infcl_liger_kernels"
 
 PACKED_POOLING = ("lasttoken", "cls", "mean")
 
@@ -271,7 +275,9 @@ def apply_liger(model: nn.Module) -> List[str]:
     wanted = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False, "fused_linear_cross_entropy": False}
     params = inspect.signature(fn).parameters
     fn(model=model, **{k: v for k, v in wanted.items() if k in params})
-    return [k for k in ("rope", "rms_norm", "swiglu") if k in params]
+    applied = [k for k in ("rope", "rms_norm", "swiglu") if k in params]
+    setattr(model, LIGER_MARK, applied)
+    return applied
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ For each loss implementation it runs, each as its own ``deepspeed --num_gpus N -
 ds_infcl.train`` process (an out-of-memory rank cannot hang the next case):
 
 1. **throughput**: at ``--throughput-batch`` (a global batch the baseline fits), ``--steps``
-   steps (the first is warm-up), reporting samples/s and peak device memory per GPU;
+   steps, reporting samples/s (over the steps after the ``--warmup`` first, from each step's
+   device time in the case's ``metrics.csv``; OpenCLIP's step also runs 2 untimed steps first)
+   and peak device memory per GPU;
 2. **largest batch**: one step at global batches doubling from ``--search-start`` until the
    case runs out of memory, fails, exceeds ``--case-timeout`` seconds, or reaches
    ``--search-max``; the largest that ran is reported (with ``>=`` when the search stopped for
@@ -100,7 +102,22 @@ def _tokens_per_sample(args) -> Optional[float]:
     return get_task("bench_decoder", json.loads(args.task_args) if args.task_args else {}).tokens_per_sample()
 
 
-def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
+def timed_rate(out: str, global_batch: int, warmup: int) -> float:
+    """Samples/s (all GPUs) of a finished case over its steps after the first ``warmup``: the
+    global batch over the mean of those steps' times in ``<out>/metrics.csv`` (the trainer's
+    device-clock step times, ``train/inflight.py``)."""
+    path = os.path.join(out, "metrics.csv")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} is missing: the case ran without logging.csv, so its step times are unknown")
+    with open(path, newline="") as f:
+        times = [float(r["step_time_s"]) for r in csv.DictReader(f) if int(r["step"]) > warmup]
+    if not times:
+        raise SystemExit(f"{path} has no step after the {warmup} warm-up step(s): give --steps more than --warmup")
+    return global_batch * len(times) / sum(times)
+
+
+def _run_case(args, impl: str, global_batch: int, steps: int, tag: str, warmup: int = 0) -> Dict:
+    """One case of ours; its rate over the steps after the first ``warmup`` (``timed_rate``)."""
     out = os.path.join(args.out, tag.replace("+", "_"))
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -132,22 +149,22 @@ def _run_case(args, impl: str, global_batch: int, steps: int, tag: str) -> Dict:
                     chunk=run["batch"]["chunk_size"], steps=steps)
     if status == "ok":
         s = _summary(out)
-        row["samples_per_s"] = round(s["samples_per_s"], 1)
-        row["samples_per_s_per_gpu"] = round(s["samples_per_s"] / args.num_gpus, 1)
+        sps = timed_rate(out, global_batch, warmup)
+        row["samples_per_s"] = round(sps, 1)
+        row["samples_per_s_per_gpu"] = round(sps / args.num_gpus, 1)
         with open(os.path.join(out, "run_config.json")) as f:
             row["chunk"] = json.load(f)["batch"]["chunk_size"]  # what "auto" chose
-        row["step_time_s"] = round(global_batch / s["samples_per_s"], 3) if s["samples_per_s"] else ""
+        row["step_time_s"] = round(global_batch / sps, 3) if sps else ""
         row["peak_mem_gib"] = round(s["peak_mem_mib"] / 1024, 2)
-        if s.get("mfu") is not None:
-            row["mfu"] = round(s["mfu"], 4)
-        if s.get("hfu") is not None:
-            row["hfu"] = round(s["hfu"], 4)
+        for key in ("mfu", "hfu"):  # the run's figures are at its own rate (every step but the first)
+            if s.get(key) is not None and s["samples_per_s"]:
+                row[key] = round(s[key] * sps / s["samples_per_s"], 4)
         if s.get("kept_chunks") is not None:  # of the step's chunks (per GPU), the last step's
             row["kept"] = f"{s['kept_chunks']}/{s['num_chunks']}"
         tokens = _tokens_per_sample(args)
-        if tokens and s["samples_per_s"]:
-            row["tokens_per_s"] = round(s["samples_per_s"] * tokens)
-            row["tokens_per_s_per_gpu"] = round(s["samples_per_s"] * tokens / args.num_gpus)
+        if tokens and sps:
+            row["tokens_per_s"] = round(sps * tokens)
+            row["tokens_per_s_per_gpu"] = round(sps * tokens / args.num_gpus)
     print(f"[bench] {row['impl']:8s} B={global_batch:>8d} {status:8s} sps={row['samples_per_s']} "
           f"tokens/s={row.get('tokens_per_s', '-')} mfu={row.get('mfu', '-')} hfu={row.get('hfu', '-')} "
           f"kept={row['kept'] or '-'} "
@@ -210,7 +227,8 @@ def _our_rows(args, gpu, rows: List[Dict]) -> List[Dict]:
 
             rows.append(engine_row(args, _launch, _case_row, _summary))
         for batch in [b for b in args.throughput_batch if b > 0 and impl != "st_cached"]:
-            rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}"), phase="throughput"))
+            rows.append(dict(_run_case(args, impl, batch, args.steps, f"{impl}_tp_{batch}", args.warmup),
+                             phase="throughput"))
         if gpu is not None:
             _write_results(args, gpu, rows, {})
     return rows
@@ -368,7 +386,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256, help="GradCache chunk per GPU")
     p.add_argument("--throughput-batch", type=int, nargs="+", default=[16384],
                    help="global batch(es) of the throughput phase; 0 skips it")
-    p.add_argument("--steps", type=int, default=4, help="throughput steps (the first is warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="throughput steps, the --warmup first untimed")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="our untimed first steps (compile, allocator); OpenCLIP's step also runs 2 (0: time every step)")
     p.add_argument("--search-start", type=int, default=32768)
     p.add_argument("--search-max", type=int, default=1 << 20)
     p.add_argument("--case-timeout", type=int, default=420, help="seconds per launched case")
@@ -407,6 +427,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ours = [i for i in args.impls if i not in ("openclip_step", "st_cached")]
     if args.side_by_side and ("openclip_step" not in args.impls or not ours or "st_cached" in args.impls):
         p.error("--side-by-side runs ours beside openclip_step: give both in --impls (and no st_cached)")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--steps {args.steps} --warmup {args.warmup}: the timed steps are those after the warm-up, "
+                f"so give 0 <= --warmup < --steps (e.g. --steps {max(args.warmup, 0) + 2})")
     if "st_cached" in args.impls and args.task != "bench_decoder":
         p.error("--impls st_cached needs --task bench_decoder (the decoder shape it trains)")
     if args.openclip_accum_freq > 1:

@@ -22,7 +22,8 @@ OpenCLIP's micro-batches follow the GPU's memory. With more than 100 GiB (an H20
 
 Every engine command's own output and folder are kept under ``--out/<table>``. ``results.md`` /
 ``results.csv`` under ``--out`` hold the combined table, rewritten after each table, and the table
-is printed last. Samples/s are per GPU; ours is timed on the device clock
+is printed last. Samples/s are per GPU, both sides over the steps after 2 untimed warm-up steps
+(``--steps`` 5: 3 timed, as OpenCLIP's ``--openclip-steps`` 3); ours on the device clock
 (``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
 """
 
@@ -152,7 +153,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the tables to run (default: every one the visible GPUs allow)")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="per-GPU batches instead of each table's own (e.g. 512 for a quick check)")
-    p.add_argument("--steps", type=int, default=5, help="our timed steps + 1 (the first compiles and is not timed)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="our steps; the first 2 are not timed (they compile), as OpenCLIP's 2 warm-up steps")
     p.add_argument("--no-side-by-side", action="store_true",
                    help="run OpenCLIP's cases after ours on the same GPUs even where twice the GPUs are visible")
     p.add_argument("--out", default="runs/vs_openclip")
@@ -165,7 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if too_big:
         raise SystemExit(f"--tables {' '.join(too_big)} need(s) more GPUs than the {gpus} visible")
     os.makedirs(args.out, exist_ok=True)
-    header = f"# Ours against OpenCLIP's best compiled configuration, {info['name']}"
+    header = f"# Ours against OpenCLIP's best compiled configuration, {info['name']} ({gpus} visible)"
     rows: List[Dict[str, object]] = []
     for name in names:
         table = TABLES[name]

@@ -129,7 +129,8 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
 
     Raises:
         ConfigError: compile with ZeRO stage 3 (its per-module parameter gathering hooks would run
-            inside the compiled blocks), or towers without repeated blocks to compile; fp8 with
+            inside the compiled blocks), with Liger-Kernel's patches (``apply_liger``: they crashed
+            inside compiled blocks), or towers without repeated blocks to compile; fp8 with
             ZeRO stage 3, without torchao, or without a layer to convert.
     """
     from ds_infcl.errors import ConfigError
@@ -147,6 +148,11 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
             "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
             "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
         )
+    from ds_infcl.adapters.decoder_step import LIGER_MARK
+    from ds_infcl.train.preflight import LIGER_WITH_COMPILE
+
+    if any(getattr(m, LIGER_MARK, None) for m in towers.modules()):
+        raise ConfigError(LIGER_WITH_COMPILE)
     names = compile_blocks(towers, mode=model_config.compile_mode)
     if not names:
         raise ConfigError(

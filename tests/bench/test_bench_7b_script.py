@@ -38,7 +38,8 @@ def test_start_runs_one_engine_command_in_the_background(tmp_path):
     assert task_args == {"arch": "qwen2-7b", "seq_len": 256, "num_negatives": 1, "init_device": "cuda"}
     get_task("bench_decoder", dict(task_args, init_device="cpu"))  # the task takes its arguments
     assert argv[argv.index("--throughput-batch") + 1] == "16384" and argv[argv.index("--num-gpus") + 1] == "4"
-    assert argv[argv.index("--steps") + 1] == "1" and argv[argv.index("--out") + 1] == str(run_dir)
+    assert argv[argv.index("--steps") + 1] == "1" and argv[argv.index("--warmup") + 1] == "0"  # the one step timed
+    assert argv[argv.index("--out") + 1] == str(run_dir)
     assert (out / "results.md").read_text() == "| fake |\n" and (out / "engine.log").exists()
     again = subprocess.run(["bash", str(SCRIPT), "wait"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "[bench_7b] done" in again.stdout and "| fake |" in again.stdout

@@ -26,6 +26,13 @@ class _FakeProc:
             resolved["batch"]["chunk_size"] = 256
         with open(os.path.join(out, "run_config.json"), "w") as f:
             json.dump(resolved, f)
+        # Step times as a compiled run gives them: the first compiles, the second is still slow,
+        # the rest run at 4,000 samples/s.
+        batch, steps = run["batch"]["global_batch_size"], run["train"]["num_steps"]
+        with open(os.path.join(out, "metrics.csv"), "w") as f:
+            f.write("step,loss,step_time_s\n")
+            for step in range(1, steps + 1):
+                f.write(f"{step},1.0,{ {1: 9.0, 2: 2 * batch / 4000}.get(step, batch / 4000)}\n")
         with open(os.path.join(out, "summary.json"), "w") as f:
             kept = {True: 0, "auto": 3}[run["batch"]["grad_cache"]]
             json.dump({"samples_per_s": 4000.0, "peak_mem_mib": 2048.0, "mfu": 0.2512, "num_chunks": 8,
@@ -51,6 +58,22 @@ def test_impl_options_reach_the_run_config_and_the_table(monkeypatch, tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| infcl | 2 | 8192 | 512 | 0/8 | ok | 2000.0 |  | 25.1% | 33.5% | 2.048 | 2.0 |" in table
     assert "| infcl+compile+auto | 2 | 8192 | 256 | 0/8 | ok | 2000.0 |  | 25.1% | 33.5% | 2.048 | 2.0 |" in table
+
+
+def test_the_rate_leaves_out_the_warm_up_steps_as_openclips_loop_does(monkeypatch, tmp_path):
+    # OpenCLIP's step (bench.openclip_step) times its steps after 2 warm-up steps; ours are timed
+    # after --warmup (2 by default) from the trainer's per-step device times, not the run's own
+    # rate (every step but the first), and MFU follows the rate.
+    monkeypatch.setattr(launching.subprocess, "Popen", _FakeProc)
+    monkeypatch.setattr(engine, "_gpu_info", lambda: {"name": "1 x Fake GPU", "mem_gib": 80.0})
+    for warmup, sps, mfu in ((2, "4000.0", "25.1%"), (1, "3000.0", "18.8%"), (0, "215.3", "1.4%")):
+        out = tmp_path / f"w{warmup}"
+        engine.main(["--num-gpus", "1", "--no-search", "--throughput-batch", "512", "--chunk-size", "512",
+                     "--steps", "4", "--warmup", str(warmup), "--impls", "infcl", "--out", str(out)])
+        # warm-up 1: 3 steps of (0.256 + 0.128 + 0.128) s; warm-up 0: 4 x 512 in 9.512 s
+        assert f"| infcl | 1 | 512 | 512 | 0/8 | ok | {sps} |  | {mfu} |" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        engine.main(["--steps", "2", "--warmup", "2", "--impls", "infcl", "--out", str(tmp_path / "x")])
 
 
 def test_grad_cache_auto_by_option_or_set_is_named_in_the_rows(monkeypatch, tmp_path):

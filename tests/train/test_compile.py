@@ -58,6 +58,26 @@ def test_compile_towers_errors_and_no_op():
         compile_towers(torch.nn.Sequential(torch.nn.Linear(2, 2)), on, 2)
 
 
+def test_compile_refuses_liger_patched_towers_at_load_and_at_build():
+    # Liger 0.8.5's kernels inside compiled blocks crashed an H200 (illegal memory access,
+    # 2026-11-28): refused before anything is built (the task's liger arg, what --check runs) and
+    # when the towers carry apply_liger's mark (any task that patched them).
+    from ds_infcl.adapters.decoder_step import LIGER_MARK
+    from ds_infcl.train.preflight import check_compile
+
+    on = types.SimpleNamespace(compile="blocks", compile_mode="default")
+    off = types.SimpleNamespace(compile=False, compile_mode="default")
+    with pytest.raises(ConfigError, match=r"model.compile with the task's liger: true: .*Set one of them false"):
+        check_compile(on, 2, "cpu", {"arch": "qwen2-1.5b", "liger": True})
+    check_compile(off, 2, "cpu", {"liger": True})
+    towers = _towers()
+    setattr(towers.key_tower.blocks[1], LIGER_MARK, ["rms_norm"])
+    with pytest.raises(ConfigError, match=r"liger: true"):
+        compile_towers(towers, on, 2)
+    assert all(b._compiled_call_impl is None for _, b in find_blocks(towers))  # refused before compiling
+    assert compile_towers(towers, off, 2) is towers
+
+
 def test_config_keys():
     base = {"batch": {"global_batch_size": 8}, "train": {"num_steps": 1}}
     for value in (False, True, "blocks"):
