@@ -47,12 +47,20 @@ from ds_infcl.errors import ConfigError
 __all__ = [
     "PackedTexts", "pack_texts", "pool_packed", "pool_padded", "PACKED_POOLING", "decoder_matmul_params",
     "decoder_flops", "apply_liger", "LayerCheckpointing", "activation_bytes", "decoder_layers", "liger_available",
-    "check_decoder_options", "TokenTally", "LIGER_MARK",
+    "check_decoder_options", "TokenTally", "LIGER_MARK", "LIGER_WITH_COMPILE",
 ]
 
 # apply_liger sets this attribute on the model it patched (the kernels applied): model.compile
 # refuses towers that carry it (train/model.py, compile_towers).
 LIGER_MARK = "ds_infcl_liger_kernels"
+# Why model.compile refuses Liger (train/preflight.check_compile from the task's args, before
+# anything is built; train/model.compile_towers from the mark).
+LIGER_WITH_COMPILE = (
+    "model.compile with the task's liger: true: Liger-Kernel's Triton kernels inside compiled blocks "
+    "crashed the GPU (illegal memory access; liger-kernel 0.8.5, torch 2.11, triton 3.6). Set one of "
+    "them false; compiled blocks with packing were the faster step (docs/retrieval.md)"
+)
+
 
 PACKED_POOLING = ("lasttoken", "cls", "mean")
 

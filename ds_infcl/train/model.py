@@ -148,8 +148,7 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
             "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
             "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
         )
-    from ds_infcl.adapters.decoder_step import LIGER_MARK
-    from ds_infcl.train.preflight import LIGER_WITH_COMPILE
+    from ds_infcl.adapters.decoder_step import LIGER_MARK, LIGER_WITH_COMPILE
 
     if any(getattr(m, LIGER_MARK, None) for m in towers.modules()):
         raise ConfigError(LIGER_WITH_COMPILE)

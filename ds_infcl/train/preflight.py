@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 from ds_infcl.errors import ConfigError
 from ds_infcl.train.fp8 import check_fp8
 
-__all__ = ["stage_hints", "check_at_load", "check_compile", "LIGER_WITH_COMPILE", "compile_toolchain_problem", "check_deepspeed_objects", "check_writable",
+__all__ = ["stage_hints", "check_at_load", "check_compile", "compile_toolchain_problem", "check_deepspeed_objects", "check_writable",
            "check_resume", "check_same_schedule", "check_param_shapes"]
 
 
@@ -86,13 +86,6 @@ def compile_toolchain_problem(device_type: str) -> Optional[str]:
     return None
 
 
-LIGER_WITH_COMPILE = (
-    "model.compile with the task's liger: true: Liger-Kernel's Triton kernels inside compiled blocks "
-    "crashed the GPU (illegal memory access; liger-kernel 0.8.5, torch 2.11, triton 3.6). Set one of "
-    "them false; compiled blocks with packing were the faster step (docs/retrieval.md)"
-)
-
-
 def check_compile(model_config, zero_stage: int, device_type: str, task_args: Optional[Dict[str, Any]] = None) -> None:
     """``model.compile`` against the DeepSpeed stage, the task's ``liger`` and this machine's toolchain.
 
@@ -103,6 +96,8 @@ def check_compile(model_config, zero_stage: int, device_type: str, task_args: Op
     if model_config.compile is False:
         return
     if (task_args or {}).get("liger"):
+        from ds_infcl.adapters.decoder_step import LIGER_WITH_COMPILE
+
         raise ConfigError(LIGER_WITH_COMPILE)
     if zero_stage >= 3:
         raise ConfigError(

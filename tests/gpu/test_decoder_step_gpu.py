@@ -98,14 +98,15 @@ def test_liger_matches_plain(packing):
     _check(liger, plain, ref)
 
 
-@pytest.mark.parametrize("liger", [False, pytest.param(True, marks=needs_liger)])
-def test_compiled_blocks_with_packing(liger):
+def test_compiled_blocks_with_packing():
+    # Not with Liger: its kernels crashed inside compiled blocks on an H200 (liger-kernel 0.8.5,
+    # triton 3.6), and the trainer refuses the two together (adapters/decoder_step.LIGER_WITH_COMPILE).
     from ds_infcl.train.model import compile_blocks
 
     ids, mask = _inputs()
     ref = _step(_model(torch.float32), ids, mask, packing=True)
-    plain = _step(_model(torch.bfloat16, liger=liger), ids, mask, packing=True)
-    model = _model(torch.bfloat16, liger=liger)
+    plain = _step(_model(torch.bfloat16), ids, mask, packing=True)
+    model = _model(torch.bfloat16)
     assert len(compile_blocks(model)) == 4
     compiled = _step(model, ids, mask, packing=True)
     _check(compiled, plain, ref)
