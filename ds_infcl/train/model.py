@@ -41,7 +41,8 @@ from torch import nn
 
 from ds_infcl.tasks.base import tree_map
 
-__all__ = ["ContrastiveModel", "Encoder", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks", "compile_towers", "eager_blocks"]
+__all__ = ["ContrastiveModel", "Encoder", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks",
+           "compile_towers", "check_compile_stage", "eager_blocks"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "kept_surrogate",
          "gradients")
@@ -111,6 +112,18 @@ def compile_blocks(towers: nn.Module, *, mode: str = "default") -> List[str]:
     return [name for name, _ in blocks]
 
 
+def check_compile_stage(zero_stage: int) -> None:
+    """``ConfigError`` for ``model.compile`` with ZeRO stage 3 (checked at load by
+    ``preflight.check_compile`` and again when the towers are compiled)."""
+    from ds_infcl.errors import ConfigError
+
+    if zero_stage >= 3:
+        raise ConfigError(
+            "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
+            "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
+        )
+
+
 def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callable[[str], None] = print,
                    micro_batch_size: Optional[int] = None) -> nn.Module:
     """Apply the run config's ``model`` section (``fp8``, ``compile``, ``compile_mode``) to the
@@ -143,11 +156,7 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
     setting = model_config.compile
     if setting is False:
         return towers
-    if zero_stage >= 3:
-        raise ConfigError(
-            "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
-            "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
-        )
+    check_compile_stage(zero_stage)
     from ds_infcl.adapters.decoder_step import LIGER_MARK, LIGER_WITH_COMPILE
 
     if any(getattr(m, LIGER_MARK, None) for m in towers.modules()):

@@ -99,11 +99,9 @@ def check_compile(model_config, zero_stage: int, device_type: str, task_args: Op
         from ds_infcl.adapters.decoder_step import LIGER_WITH_COMPILE
 
         raise ConfigError(LIGER_WITH_COMPILE)
-    if zero_stage >= 3:
-        raise ConfigError(
-            "model.compile: not supported with ZeRO stage 3 (its hooks gather each module's parameters "
-            "inside the blocks that would be compiled); use ZeRO stage 0-2, or set model.compile false"
-        )
+    from ds_infcl.train.model import check_compile_stage
+
+    check_compile_stage(zero_stage)
     problem = compile_toolchain_problem(device_type)
     if problem is not None:
         raise ConfigError(f"model.compile: torch.compile cannot build kernels on this machine ({device_type}): "
