@@ -8,7 +8,14 @@ OpenCLIP's cases run on the other half at the same time (``--side-by-side``), so
 the host alike::
 
     python -m ds_infcl.bench.vs_openclip --out runs/vs_openclip
+    python -m ds_infcl.bench.vs_openclip --parallel --out runs/vs_openclip
     python -m ds_infcl.bench.vs_openclip --tables clip-1 --batches 512 --out runs/quick
+
+The tables run one after another (5-9 minutes each on H200s, mostly compilation). ``--parallel``
+runs them at once on disjoint GPUs instead, each table's cases one after the other on its own
+GPUs (no side by side). Each table starts, in order, as soon as enough GPUs are free: on 4 GPUs
+the five tables (7 GPU-tables) take about the time of two or three. The run of 2026-11-28 was
+made that way, by hand.
 
 The tables (``--tables``; the default is every one the visible GPUs allow):
 
@@ -34,8 +41,9 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ds_infcl.bench.engine import fastest_openclip
 from ds_infcl.bench.launching import _gpu_info, _visible_gpu_ids
@@ -146,6 +154,58 @@ def _read_rows(path: str) -> List[Dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+_POLL_S = 1.0  # how often the running engine commands are polled
+
+
+@dataclass
+class _Job:
+    """One table's engine command: the GPUs it needs at once (twice the table's side by side)."""
+
+    name: str
+    table: Table
+    batches: Tuple[int, ...]
+    cmd: List[str]
+    folder: str
+    gpus: int
+
+
+def _run_jobs(jobs: List[_Job], ids: List[str], parallel: bool, done: Callable[[_Job, int], None]) -> None:
+    """Run every job's command, its output in ``<folder>/engine.log``. With ``parallel``, jobs run
+    at once on disjoint subsets of the GPUs ``ids`` (``CUDA_VISIBLE_DEVICES``), each started in
+    order as soon as enough GPUs are free; otherwise one after the other on every visible GPU.
+    ``done(job, exit code)`` is called as each one finishes. On an error or Ctrl-C the running
+    commands are stopped."""
+    pending, running, free = list(jobs), [], list(ids)
+    try:
+        while pending or running:
+            for job in list(pending):
+                if running and not (parallel and job.gpus <= len(free)):
+                    continue
+                env, taken = dict(os.environ), list(ids)
+                if parallel:
+                    taken, free = free[:job.gpus], free[job.gpus:]
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(taken)
+                print(f"[vs_openclip] {job.name} on GPU(s) {','.join(taken)}: {' '.join(job.cmd[1:])}", flush=True)
+                os.makedirs(job.folder, exist_ok=True)
+                log = open(os.path.join(job.folder, "engine.log"), "w")
+                running.append((job, subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, taken))
+                pending.remove(job)
+            finished = [r for r in running if r[1].poll() is not None]
+            for job, proc, log, taken in finished:
+                log.close()
+                running.remove((job, proc, log, taken))
+                if parallel:
+                    free = sorted(free + taken, key=ids.index)
+                done(job, proc.returncode)
+            if not finished:
+                time.sleep(_POLL_S)
+    finally:
+        for _, proc, log, _ in running:
+            proc.terminate()
+            proc.wait()
+            log.close()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -157,9 +217,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="our steps; the first 2 are not timed (they compile), as OpenCLIP's 2 warm-up steps")
     p.add_argument("--no-side-by-side", action="store_true",
                    help="run OpenCLIP's cases after ours on the same GPUs even where twice the GPUs are visible")
+    p.add_argument("--parallel", action="store_true",
+                   help="run tables at once on disjoint GPUs (CUDA_VISIBLE_DEVICES), each table's cases (ours, then "
+                   "OpenCLIP's) one after the other on its own GPUs; each table starts, in order, once enough GPUs are free")
     p.add_argument("--out", default="runs/vs_openclip")
     args = p.parse_args(argv)
-    gpus, info = len(_visible_gpu_ids()), _gpu_info()
+    ids, info = _visible_gpu_ids(), _gpu_info()
+    gpus = len(ids)
     names = args.tables or [n for n, t in TABLES.items() if t.gpus <= gpus]
     if not names:
         raise SystemExit(f"no table fits the {gpus} visible GPU(s): each needs at least 1 (CUDA_VISIBLE_DEVICES, nvidia-smi)")
@@ -168,23 +232,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"--tables {' '.join(too_big)} need(s) more GPUs than the {gpus} visible")
     os.makedirs(args.out, exist_ok=True)
     header = f"# Ours against OpenCLIP's best compiled configuration, {info['name']} ({gpus} visible)"
-    rows: List[Dict[str, object]] = []
+    jobs = []
     for name in names:
         table = TABLES[name]
         batches = tuple(args.batches or table.batches)
-        side = not args.no_side_by_side and gpus >= 2 * table.gpus
+        side = not (args.no_side_by_side or args.parallel) and gpus >= 2 * table.gpus
         folder = os.path.join(args.out, name)
         cmd = engine_command(table, batches, openclip_micro(table, info["mem_gib"]), side, folder, args.steps)
-        print(f"[vs_openclip] {name}: {' '.join(cmd[1:])}", flush=True)
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "engine.log"), "w") as log:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        engine_rows = _read_rows(os.path.join(folder, "results.csv"))
+        jobs.append(_Job(name, table, batches, cmd, folder, table.gpus * (2 if side else 1)))
+    results: Dict[str, List[Dict[str, object]]] = {}
+
+    def done(job: _Job, code: int) -> None:
+        engine_rows = _read_rows(os.path.join(job.folder, "results.csv"))
         if code != 0 or not engine_rows:
-            print(f"[vs_openclip] {name}: the engine exited {code}; see {folder}/engine.log", flush=True)
-        rows += best_rows(name, table, engine_rows, batches)
-        text = _write(args.out, rows, header)
-    print(text, flush=True)
+            print(f"[vs_openclip] {job.name}: the engine exited {code}; see {job.folder}/engine.log", flush=True)
+        results[job.name] = best_rows(job.name, job.table, engine_rows, job.batches)
+        print(f"[vs_openclip] {job.name} done ({len(results)} of {len(jobs)} tables)", flush=True)
+        _write(args.out, [r for j in jobs for r in results.get(j.name, [])], header)
+
+    _run_jobs(jobs, ids, args.parallel, done)
+    rows = [r for j in jobs for r in results[j.name]]
+    print(_write(args.out, rows, header), flush=True)
     return 0 if all(r["ratio"] for r in rows) else 1
 
 

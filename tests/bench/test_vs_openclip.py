@@ -78,13 +78,18 @@ def test_best_rows_pick_the_fastest_openclip_at_the_same_global_batch():
     ]
 
 
-def test_a_run_over_stand_in_engine_results(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(vs_openclip, "_visible_gpu_ids", lambda: ["0", "1"])
-    monkeypatch.setattr(vs_openclip, "_gpu_info", lambda: {"name": "2 x FAKE GPU", "mem_gib": 141.0})
-    commands = []
+class _StandInEngine:
+    """Stands in for ``subprocess.Popen`` of an engine command: writes the engine's results.csv
+    (ours 3,000, OpenCLIP 2,500 samples/s per GPU at every batch) and finishes after ``seconds``,
+    recording which GPUs it was given and when it ran."""
 
-    def fake_run(cmd, stdout=None, stderr=None):
-        commands.append(cmd)
+    def __init__(self, seconds=0.0):
+        self.seconds, self.runs = seconds, []
+
+    def __call__(self, cmd, stdout=None, stderr=None, env=None):
+        import time
+
+        engine, start = self, time.time()
         out = _values(cmd, "--out")[0]
         ours = _values(cmd, "--impls")[0]
         with open(os.path.join(out, "results.csv"), "w", newline="") as f:
@@ -94,18 +99,62 @@ def test_a_run_over_stand_in_engine_results(tmp_path, monkeypatch, capsys):
             for gb in map(int, _values(cmd, "--throughput-batch")):
                 w.writerow(_row(ours, gb, 3000.0, gpus=gpus))
                 w.writerow(_row("openclip_step compiled", gb, 2500.0, gpus=gpus))
-        return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(vs_openclip.subprocess, "run", fake_run)
+        class Proc:
+            returncode = None
+
+            def poll(self):
+                if self.returncode is None and time.time() - start >= engine.seconds:
+                    self.returncode = 0
+                    engine.runs.append((os.path.basename(out), (env or {}).get("CUDA_VISIBLE_DEVICES"), start,
+                                        time.time(), cmd))
+                return self.returncode
+
+            def wait(self):
+                return 0
+
+            def terminate(self):
+                pass
+
+        return Proc()
+
+
+def test_a_run_over_stand_in_engine_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(vs_openclip, "_visible_gpu_ids", lambda: ["0", "1"])
+    monkeypatch.setattr(vs_openclip, "_gpu_info", lambda: {"name": "2 x FAKE GPU", "mem_gib": 141.0})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    engine = _StandInEngine()
+    monkeypatch.setattr(vs_openclip.subprocess, "Popen", engine)
     code = vs_openclip.main(["--out", str(tmp_path), "--batches", "512"])
     assert code == 0
-    names = [os.path.basename(_values(c, "--out")[0]) for c in commands]
-    assert names == list(TABLES)  # 2 GPUs: every table
-    side = {n: "--side-by-side" in c for n, c in zip(names, commands)}
+    names = [name for name, *_ in engine.runs]
+    assert names == list(TABLES)  # 2 GPUs: every table, one after the other, on both GPUs
+    assert all(gpus is None for _, gpus, *_ in engine.runs)
+    side = {name: "--side-by-side" in cmd for name, _, _, _, cmd in engine.runs}
     assert side == {"clip-1": True, "clip-2": False, "siglip-1": True, "siglip-2": False, "vitl-1": True}
     text = (tmp_path / "results.md").read_text()
     assert text.count("| 1.20x |") == 5 and "2 x FAKE GPU" in text
     assert "| ViT-L/14, CLIP | 1 | 512 | 3000.0 | compiled | 2500.0 | 1.20x |" in capsys.readouterr().out
+
+
+def test_parallel_tables_run_at_once_on_disjoint_gpus(tmp_path, monkeypatch):
+    # --parallel: each table on its own GPUs (ours then OpenCLIP's, no side by side), started in
+    # order as soon as enough GPUs are free; the combined table keeps the tables' order.
+    monkeypatch.setattr(vs_openclip, "_visible_gpu_ids", lambda: ["4", "5", "6", "7"])
+    monkeypatch.setattr(vs_openclip, "_gpu_info", lambda: {"name": "8 x FAKE GPU", "mem_gib": 141.0})
+    engine = _StandInEngine(seconds=0.3)
+    monkeypatch.setattr(vs_openclip.subprocess, "Popen", engine)
+    monkeypatch.setattr(vs_openclip, "_POLL_S", 0.02)
+    assert vs_openclip.main(["--parallel", "--out", str(tmp_path), "--batches", "512"]) == 0
+    runs = {name: (gpus, start, end, cmd) for name, gpus, start, end, cmd in engine.runs}
+    assert {name: gpus for name, (gpus, *_) in runs.items()} == {
+        "clip-1": "4", "clip-2": "5,6", "siglip-1": "7", "siglip-2": "4,5", "vitl-1": "6"}
+    assert not any("--side-by-side" in cmd for *_, cmd in runs.values())
+    first = [runs[n] for n in ("clip-1", "clip-2", "siglip-1")]
+    assert max(start for _, start, _, _ in first) < min(end for _, _, end, _ in first)  # at once
+    assert runs["siglip-2"][1] >= min(end for _, _, end, _ in first)  # waited for two GPUs
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["table"] for r in rows] == list(TABLES) and all(r["ratio"] == "1.20x" for r in rows)
 
 
 def test_a_table_needing_more_gpus_than_visible_is_refused(tmp_path, monkeypatch):
