@@ -346,7 +346,9 @@ def _write_results(args, gpu: Dict[str, object], rows: List[Dict], largest: Dict
         f"GradCache chunk {args.chunk_size}/GPU",
         "", f"Device: {gpu['name']} ({gpu['mem_gib'] or 0:.0f} GiB each); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         + (f"; side by side: ours on GPU(s) {','.join(args.sides[0])} while OpenCLIP ran on GPU(s) {','.join(args.sides[1])}"
-           if getattr(args, "sides", None) else ""), "",
+           if getattr(args, "sides", None) else "")
+        + (f"; ours timed over the steps after its first {args.warmup} of {args.steps} (per-step device times)"
+           if getattr(args, "warmup", None) is not None else ""), "",
         "| impl | GPUs | global batch | chunk | kept | status | samples/s per GPU | tokens/s per GPU | MFU | HFU | "
         "step time (s) | peak memory / GPU (GiB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -71,7 +71,9 @@ def test_the_rate_leaves_out_the_warm_up_steps_as_openclips_loop_does(monkeypatc
         engine.main(["--num-gpus", "1", "--no-search", "--throughput-batch", "512", "--chunk-size", "512",
                      "--steps", "4", "--warmup", str(warmup), "--impls", "infcl", "--out", str(out)])
         # warm-up 1: 3 steps of (0.256 + 0.128 + 0.128) s; warm-up 0: 4 x 512 in 9.512 s
-        assert f"| infcl | 1 | 512 | 512 | 0/8 | ok | {sps} |  | {mfu} |" in (out / "results.md").read_text()
+        table = (out / "results.md").read_text()
+        assert f"| infcl | 1 | 512 | 512 | 0/8 | ok | {sps} |  | {mfu} |" in table
+        assert f"ours timed over the steps after its first {warmup} of 4 (per-step device times)" in table
     with pytest.raises(SystemExit):
         engine.main(["--steps", "2", "--warmup", "2", "--impls", "infcl", "--out", str(tmp_path / "x")])
 
