@@ -241,6 +241,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cmd = engine_command(table, batches, openclip_micro(table, info["mem_gib"]), side, folder, args.steps)
         jobs.append(_Job(name, table, batches, cmd, folder, table.gpus * (2 if side else 1)))
     results: Dict[str, List[Dict[str, object]]] = {}
+    written: List[str] = []  # the combined table as last written
 
     def done(job: _Job, code: int) -> None:
         engine_rows = _read_rows(os.path.join(job.folder, "results.csv"))
@@ -248,12 +249,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[vs_openclip] {job.name}: the engine exited {code}; see {job.folder}/engine.log", flush=True)
         results[job.name] = best_rows(job.name, job.table, engine_rows, job.batches)
         print(f"[vs_openclip] {job.name} done ({len(results)} of {len(jobs)} tables)", flush=True)
-        _write(args.out, [r for j in jobs for r in results.get(j.name, [])], header)
+        written[:] = [_write(args.out, [r for j in jobs for r in results.get(j.name, [])], header)]
 
     _run_jobs(jobs, ids, args.parallel, done)
-    rows = [r for j in jobs for r in results[j.name]]
-    print(_write(args.out, rows, header), flush=True)
-    return 0 if all(r["ratio"] for r in rows) else 1
+    print(written[0], flush=True)
+    return 0 if all(r["ratio"] for rows in results.values() for r in rows) else 1
 
 
 if __name__ == "__main__":
