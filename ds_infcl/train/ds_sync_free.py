@@ -49,6 +49,7 @@ import textwrap
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ds_infcl import settings
 
@@ -61,12 +62,17 @@ KNOWN_MINOR = (0, 19)
 KNOWN_SOURCES = {
     "mask_nan_or_inf_with_val_inplace": "9728853d4df6cd69",
     "unscale_and_clip_grads": "92a57088034fcd50",
+    "get_grad_norm_direct": "8e1ffafc3841f46a",
+    "count_used_parameters_in_backward": "7646250b6fbfc3c9",
 }
 # The modules that bind the mask under its name (``grep -rn mask_nan_or_inf_with_val_inplace`` in
 # DeepSpeed 0.19.8); any other loaded deepspeed module that holds it is found by ``_mask_owners``.
 MASK_MODULES = ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
 
 _originals: Dict[Tuple[object, str], Callable] = {}  # (module or class, name) -> the function replaced there
+# A leaf parameter's gradient accumulator, with the dtype and device it was made for (torch makes a
+# new one when ``param.data`` changes either); ``count_used_parameters_in_backward`` reuses it.
+_GRAD_NODES = WeakIdKeyDictionary()
 
 
 def mask_nan_or_inf_with_val_inplace(input, device=None, val=-1.):
@@ -114,6 +120,76 @@ def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
             g.data.mul_(inverse)
 
 
+def _deepspeed_own(name: str) -> Callable:
+    """DeepSpeed's own ``DeepSpeedZeroOptimizer.<name>``, also where it is replaced."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return _originals.get((DeepSpeedZeroOptimizer, name), vars(DeepSpeedZeroOptimizer)[name])
+
+
+def get_grad_norm_direct(self, gradients, params, norm_type=2):
+    """``DeepSpeedZeroOptimizer.get_grad_norm_direct`` (ZeRO-1/2's gradient norm) with one
+    ``torch._foreach_norm`` over the gradients of the partition instead of a ``vector_norm``, a
+    float64 copy and a ``.to(device)`` per gradient: a few kernel launches instead of three per
+    parameter, and no per-parameter Python. The same selection (padding, pipeline-replicated and
+    model-parallel duplicates left out), the same float64 accumulation (``get_norm_dtype``), the
+    same all-reduces and the same mask of a non-finite result. Where no gradient is left, the zero
+    is made on the device (DeepSpeed's ``torch.tensor(0.0).to(device)`` is a pageable copy). Other
+    norms than the 2-norm go to DeepSpeed's own function."""
+    if float(norm_type) != 2.0:
+        return _deepspeed_own("get_grad_norm_direct")(self, gradients, params, norm_type)
+    from deepspeed import comm as dist
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    grads = []
+    for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
+        if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+            continue
+        if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+            grads.append(g.data)
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
+        total_norm = torch.stack([n.to(self.device) for n in norms]).pow(2.0).sum().float()
+    else:
+        total_norm = torch.zeros((), dtype=torch.float32, device=self.device)
+    dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)
+    total_norm = total_norm.pow(1. / 2.0)
+    mask_nan_or_inf_with_val_inplace(total_norm, device=self.device)
+    return total_norm
+
+
+def count_used_parameters_in_backward(parameters) -> int:
+    """DeepSpeed's count of the ``parameters`` whose gradient the running backward will compute
+    (ZeRO-1/2 call it at the first gradient hook of every backward). The original finds each leaf
+    parameter's gradient accumulator anew with a ``view_as`` under ``enable_grad`` (an autograd
+    node made and dropped per parameter, per backward); this keeps the accumulator of each
+    parameter and makes it again only where torch would have replaced it (``param.data`` of
+    another dtype or device). The same nodes, so the same count."""
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called during backward execution")
+    seen = set()
+    for param in parameters:
+        if not isinstance(param, torch.Tensor) or not param.requires_grad:
+            continue
+        node = None
+        if param.grad_fn is None:  # a leaf: its accumulator
+            kept = _GRAD_NODES.get(param)
+            if kept is not None and kept[1] == param.dtype and kept[2] == param.device:
+                node = kept[0]
+        if node is None:
+            with torch.enable_grad():
+                node = _get_grad_fn_or_grad_acc(param)
+            if param.grad_fn is None:
+                _GRAD_NODES[param] = (node, param.dtype, param.device)
+        seen.add(node)
+    return int(sum(map(torch._C._will_engine_execute_node, seen))) if seen else 0
+
+
 def source_hash(fn: Callable) -> Optional[str]:
     """sha256 (first 16 hex digits) of ``fn``'s dedented source; ``None`` where there is none."""
     try:
@@ -139,17 +215,18 @@ def _mask_owners(original: Callable) -> List[object]:
 
 
 def _targets() -> List[Tuple[str, List[Tuple[object, str]], Callable, Callable]]:
-    """``(name, [(owner, attribute), ...], original, replacement)`` for the two functions."""
+    """``(name, [(owner, attribute), ...], original, replacement)`` for each replaced function."""
     import deepspeed.runtime.utils as ds_utils
+    from deepspeed.runtime.zero import stage_1_and_2
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     mask = ds_utils.mask_nan_or_inf_with_val_inplace
-    clip = DeepSpeedZeroOptimizer.__dict__.get("unscale_and_clip_grads")
-    return [
-        ("mask_nan_or_inf_with_val_inplace", [(m, "mask_nan_or_inf_with_val_inplace") for m in _mask_owners(mask)],
-         mask, mask_nan_or_inf_with_val_inplace),
-        ("unscale_and_clip_grads", [(DeepSpeedZeroOptimizer, "unscale_and_clip_grads")], clip, unscale_and_clip_grads),
-    ]
+    methods = [(name, [(DeepSpeedZeroOptimizer, name)], DeepSpeedZeroOptimizer.__dict__.get(name), globals()[name])
+               for name in ("unscale_and_clip_grads", "get_grad_norm_direct")]
+    count = "count_used_parameters_in_backward"  # ZeRO-1/2's binding only (ZeRO-3 keeps its own)
+    return [("mask_nan_or_inf_with_val_inplace", [(m, "mask_nan_or_inf_with_val_inplace") for m in _mask_owners(mask)],
+             mask, mask_nan_or_inf_with_val_inplace)] + methods + [
+        (count, [(stage_1_and_2, count)], getattr(stage_1_and_2, count), count_used_parameters_in_backward)]
 
 
 def installed() -> bool:

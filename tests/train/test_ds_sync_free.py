@@ -25,7 +25,9 @@ from ds_infcl.train import ds_sync_free
 from tests.train import harness as h
 
 MASK, CLIP = "mask_nan_or_inf_with_val_inplace", "unscale_and_clip_grads"
-PLACES = [(ds_utils, MASK), (stage_1_and_2, MASK), (stage3, MASK), (DeepSpeedZeroOptimizer, CLIP)]
+NORM, COUNT = "get_grad_norm_direct", "count_used_parameters_in_backward"
+PLACES = [(ds_utils, MASK), (stage_1_and_2, MASK), (stage3, MASK), (DeepSpeedZeroOptimizer, CLIP),
+          (DeepSpeedZeroOptimizer, NORM), (stage_1_and_2, COUNT)]
 
 
 def _original(owner, name):
@@ -37,6 +39,8 @@ def _original(owner, name):
 
 ORIGINAL_MASK = _original(ds_utils, MASK)
 ORIGINAL_CLIP = _original(DeepSpeedZeroOptimizer, CLIP)
+ORIGINAL_NORM = _original(DeepSpeedZeroOptimizer, NORM)
+ORIGINAL_COUNT = _original(stage_1_and_2, COUNT)
 
 
 @pytest.fixture
@@ -172,6 +176,119 @@ def test_the_clip_reads_nothing_on_the_host(norm):
     assert replaced.found == []
 
 
+# -- the gradient norm ---------------------------------------------------------------------------
+
+
+class _NormOptimizer:
+    """What ``get_grad_norm_direct`` reads of a ``DeepSpeedZeroOptimizer`` (one rank: its
+    all-reduces are the identity, see ``one_rank``)."""
+
+    def __init__(self, model_parallel_rank: int = 0):
+        self.model_parallel_rank, self.dp_process_group, self.device = model_parallel_rank, None, torch.device("cpu")
+        self.model_parallel_group = None
+
+    def _model_parallel_all_reduce(self, tensor, op):
+        pass
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    monkeypatch.setattr(deepspeed.comm, "all_reduce", lambda tensor, op=None, group=None, **kw: tensor)
+
+
+def _norm_case(kind: str):
+    """Gradients and parameters as ZeRO-1/2 pass them: fp32 views of a partition, with a padding
+    gradient, a pipeline-replicated parameter and model-parallel ones; values from 1e-4 to 1e3."""
+    torch.manual_seed(1)
+    sizes = [1, 37, 300, 5, 1024]
+    grads = [torch.randn(n) * torch.logspace(-4, 3, n) for n in sizes]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    if kind == "padding":
+        pad = torch.ones(3)
+        pad._zero_padding = True
+        grads.insert(2, pad)  # left out of the norm, and of the pairing with the parameters
+    if kind == "replicated":
+        params[1].ds_pipe_replicated = True
+    if kind == "model_parallel":
+        params[3].model_parallel = True
+    if kind == "nonfinite":
+        grads[2][7] = math.nan
+    if kind == "inf":
+        grads[4][0] = math.inf
+    if kind == "empty":
+        grads, params = [], []
+    return grads, params
+
+
+@pytest.mark.parametrize("kind", ["plain", "padding", "replicated", "model_parallel", "nonfinite", "inf", "empty"])
+@pytest.mark.parametrize("mp_rank", [0, 1])
+@pytest.mark.parametrize("norm_type", [2, 2.0, math.inf])
+def test_the_norm_gives_the_originals_bits(one_rank, kind, mp_rank, norm_type):
+    grads, params = _norm_case(kind)
+    opt = _NormOptimizer(mp_rank)
+    if kind == "empty" and norm_type == math.inf:
+        pytest.skip("DeepSpeed's inf norm of no gradients raises (torch.stack of nothing)")
+    want = ORIGINAL_NORM(opt, grads, params, norm_type)
+    got = ds_sync_free.get_grad_norm_direct(opt, grads, params, norm_type)
+    assert_same_bits(got, want)
+
+
+def test_the_norm_launches_no_kernel_per_gradient_and_reads_nothing(one_rank):
+    grads, params = _norm_case("plain")
+    for kind in ("plain", "empty"):
+        grads, params = _norm_case(kind)
+        with HostReads() as replaced:
+            ds_sync_free.get_grad_norm_direct(_NormOptimizer(), grads, params)
+        assert replaced.found == [], kind
+    with HostReads() as original:
+        ORIGINAL_NORM(_NormOptimizer(), [], [])
+    assert original.found  # torch.tensor(0.0).to(device): a pageable copy
+
+
+# -- the count of parameters in a backward ---------------------------------------------------------
+
+
+def _count_in_backward(fn, model, params, use, before=None):
+    """``fn(params)`` as it runs inside the backward of a loss made from the layers ``use``."""
+    seen = []
+    x = torch.randn(4, 8)
+    out = sum(model[i](x).sum() for i in use)
+    out.register_hook(lambda g: seen.append(fn(params)))
+    out.backward()
+    return seen[0]
+
+
+def test_the_count_is_the_originals_across_backwards(monkeypatch):
+    """The same count as DeepSpeed's for different subsets of used layers, frozen and repeated
+    parameters, and again after ``param.data`` changes dtype (torch makes a new accumulator then)."""
+    monkeypatch.setattr(ds_sync_free, "_GRAD_NODES", ds_sync_free.WeakIdKeyDictionary())
+    model = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    model[3].bias.requires_grad_(False)
+    params = list(model.parameters()) + [model[0].weight, "not a tensor"]
+    for use in ([0, 1, 2, 3], [1], [0, 3], [2, 2], [0, 1, 2, 3]):
+        want = _count_in_backward(ORIGINAL_COUNT, model, params, use)
+        assert _count_in_backward(ds_sync_free.count_used_parameters_in_backward, model, params, use) == want, use
+        assert want == 2 * len(set(use)) - (3 in use)
+    assert len(ds_sync_free._GRAD_NODES) == 7  # every leaf that requires a gradient, kept once
+    model.double()  # param.data of another dtype: new accumulators
+    kept = {id(p): ds_sync_free._GRAD_NODES[p][0] for p in model.parameters() if p.requires_grad}
+    for use in ([0, 1], [0, 1, 2, 3]):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        seen = []
+        out = sum(model[i](x).sum() for i in use)
+        out.register_hook(lambda g: seen.append((ORIGINAL_COUNT(params), ds_sync_free.count_used_parameters_in_backward(params))))
+        out.backward()
+        assert seen[0][0] == seen[0][1] == 2 * len(use) - (3 in use), use
+    assert all(ds_sync_free._GRAD_NODES[p][0] is not kept[id(p)] for p in model.parameters() if p.requires_grad)
+
+
+def test_the_count_outside_a_backward_raises_as_the_original():
+    params = list(torch.nn.Linear(2, 2).parameters())
+    for fn in (ORIGINAL_COUNT, ds_sync_free.count_used_parameters_in_backward):
+        with pytest.raises(RuntimeError, match="during backward"):
+            fn(params)
+
+
 # -- install --------------------------------------------------------------------------------------
 
 
@@ -212,6 +329,7 @@ def test_code_not_known_is_left_as_is(deepspeed_as_shipped, monkeypatch):
     assert vars(DeepSpeedZeroOptimizer)[CLIP] is ORIGINAL_CLIP and ds_utils.mask_nan_or_inf_with_val_inplace is \
         ds_sync_free.mask_nan_or_inf_with_val_inplace
     assert lines[0].endswith("left as is, not the known code: unscale_and_clip_grads")
+    assert vars(DeepSpeedZeroOptimizer)[NORM] is ds_sync_free.get_grad_norm_direct
 
 
 # -- whole runs -----------------------------------------------------------------------------------
