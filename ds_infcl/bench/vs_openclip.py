@@ -30,7 +30,7 @@ OpenCLIP's micro-batches follow the GPU's memory. With more than 100 GiB (an H20
 Every engine command's own output and folder are kept under ``--out/<table>``. ``results.md`` /
 ``results.csv`` under ``--out`` hold the combined table, rewritten after each table, and the table
 is printed last. Samples/s are per GPU, both sides over the steps after 2 untimed warm-up steps
-(``--steps`` 5: 3 timed, as OpenCLIP's ``--openclip-steps`` 3); ours on the device clock
+(``--steps`` 5: 3 timed; OpenCLIP's ``--openclip-steps`` is ``--steps`` - 2, so both sides time as many steps); ours on the device clock
 (``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
 """
 
@@ -91,7 +91,8 @@ def engine_command(table: Table, batches: Sequence[int], micro: int, side_by_sid
            "--no-search", "--deepspeed-config", "ds_configs/zero1.json", "--chunk-size", str(table.chunk),
            "--steps", str(steps), "--throughput-batch", *[str(b * table.gpus) for b in batches],
            "--impls", table.ours, "openclip_step", "--openclip-modes", "compile",
-           "--openclip-batches", *map(str, plain), "--openclip-accum-micro", str(micro), "--openclip-steps", "3",
+           "--openclip-batches", *map(str, plain), "--openclip-accum-micro", str(micro),
+           "--openclip-steps", str(steps - 2),
            "--case-timeout", "600", "--label", f"{table.model} {table.loss}, {table.gpus} GPU(s), vs OpenCLIP",
            "--out", out]
     if accum:
@@ -214,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="per-GPU batches instead of each table's own (e.g. 512 for a quick check)")
     p.add_argument("--steps", type=int, default=5,
-                   help="our steps; the first 2 are not timed (they compile), as OpenCLIP's 2 warm-up steps")
+                   help="steps of each case, both sides: the first 2 are not timed (they compile); at least 3")
     p.add_argument("--no-side-by-side", action="store_true",
                    help="run OpenCLIP's cases after ours on the same GPUs even where twice the GPUs are visible")
     p.add_argument("--parallel", action="store_true",
@@ -222,6 +223,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "OpenCLIP's) one after the other on its own GPUs; each table starts, in order, once enough GPUs are free")
     p.add_argument("--out", default="runs/vs_openclip")
     args = p.parse_args(argv)
+    if args.steps < 3:
+        p.error(f"--steps must be at least 3 (2 untimed warm-up steps and one timed), got {args.steps}")
     ids, info = _visible_gpu_ids(), _gpu_info()
     gpus = len(ids)
     names = args.tables or [n for n, t in TABLES.items() if t.gpus <= gpus]
