@@ -219,8 +219,9 @@ SETTINGS: Tuple[Setting, ...] = (
        shown="measured"),
     # -- the trainer -----------------------------------------------------------------------------------------
     _S("DS_INFCL_SYNC_FREE", "flag", True, CALL, MAY_DIFFER, _TRAINER,
-       "`1`: the trainer replaces DeepSpeed 0.19's gradient-norm mask and ZeRO-1/2 gradient clip by versions "
-       "that compute the same values without making the host wait for the GPU (`ds_infcl/train/ds_sync_free.py`, "
+       "`1`: the trainer replaces DeepSpeed 0.19's gradient-norm mask, ZeRO-1/2 gradient norm and clip, and "
+       "ZeRO-1/2's count of the parameters in a backward by versions that compute the same values without making "
+       "the host wait for the GPU and with less host work (`ds_infcl/train/ds_sync_free.py`, "
        "[training.md](training.md#measured)); `0` leaves DeepSpeed as is (for A/B runs: the results are the same)"),
     # -- data and tests ---------------------------------------------------------------------------------------
     _S("DS_INFCL_DIGITS", "text", None, CALL, MAY_DIFFER, _DATA,

@@ -1,6 +1,6 @@
-"""DeepSpeed's gradient-norm mask and ZeRO-1/2 gradient clip without host waits: ``install()``
-swaps two functions of DeepSpeed 0.19 for versions that compute the same values bit for bit, on
-the device.
+"""DeepSpeed's ZeRO-1/2 gradient norm, clip and backward bookkeeping without host waits and with
+less host work: ``install()`` swaps four functions of DeepSpeed 0.19 for versions that compute
+the same values on the device.
 
 The trainer launches each step before it reads the step before (``train/inflight.py``), so the
 host can run ahead of the GPU. Inside DeepSpeed's ZeRO-1/2 optimizer step, three reads made the
@@ -24,6 +24,20 @@ first launches. At small per-GPU batches, where a step's kernels are short, that
 large share of the step. Measured on one H200 (ViT-B/16 CLIP at 512, ZeRO-1, 2026-11-28): 2,515.5
 samples/s with ``DS_INFCL_SYNC_FREE=0``, 2,862.4 with the replacements, 1.14x
 (docs/bench/sync_free_ab_h200_2026-11-28_eighteenth.log).
+
+Two more replacements cut host work that the GPU waits for at small per-GPU batches, where the
+host, not the GPU, sets the pace (a profile of ViT-B/16 at 512 on one GPU charged the device's idle
+time to these two frames first; ``logging.profile_step``):
+
+- ``DeepSpeedZeroOptimizer.get_grad_norm_direct`` made, per gradient, a float64 copy, a
+  ``vector_norm`` and a ``.to(device)``: three kernels and their Python for each of a CLIP
+  model's ~400 tensors. The replacement takes one ``torch._foreach_norm`` (float64, as DeepSpeed's
+  ``get_norm_dtype``) over the same selection; the same float64 sum gives the same float32 norm.
+- ``count_used_parameters_in_backward`` (bound in ``stage_1_and_2``; ZeRO-3 keeps its own) runs
+  at the first gradient hook of every backward, before the rest of the backward is launched. It
+  made each leaf parameter's gradient accumulator anew (a ``view_as`` under ``enable_grad``); the
+  replacement keeps them (and makes one again where torch would: ``param.data`` of another dtype
+  or device), so the same nodes are counted.
 
 Only known code is replaced. DeepSpeed must be 0.19.x, and each original's source text must be
 the one these replacements were written from (``KNOWN_SOURCES``: DeepSpeed 0.19.8's; the mask is
@@ -269,7 +283,7 @@ def install(log: Optional[Callable[[str], None]] = None) -> bool:
             _originals[(owner, attribute)] = original
             setattr(owner, attribute, replacement)
         done.append(name)
-    msg = f"DeepSpeed {version}: " + (f"{', '.join(done)} replaced by versions without host waits "
+    msg = f"DeepSpeed {version}: " + (f"{', '.join(done)} replaced by versions without host waits and with less host work "
                                        "(train/ds_sync_free.py)" if done else "nothing replaced")
     say(msg + (f"; left as is, not the known code: {', '.join(left)}" if left else ""))
     return bool(done)
