@@ -186,7 +186,8 @@ def _run_openclip_case(args, batch_per_gpu: int, accum_freq: int, mode: str = "e
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     module_args = ["-m", "ds_infcl.bench.openclip_step", "--arch", args.arch, "--batch-per-gpu", str(batch_per_gpu),
-                   "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--loss", loss, "--out", out]
+                   "--accum-freq", str(accum_freq), "--steps", str(args.openclip_steps), "--warmup", str(args.warmup),
+                   "--loss", loss, "--out", out]
     module_args += (["--compile"] if compiled else []) + (["--grad-checkpointing"] if gc else [])
     if args.num_gpus > 1:
         torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -390,7 +391,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="global batch(es) of the throughput phase; 0 skips it")
     p.add_argument("--steps", type=int, default=4, help="throughput steps, the --warmup first untimed")
     p.add_argument("--warmup", type=int, default=2,
-                   help="our untimed first steps (compile, allocator); OpenCLIP's step also runs 2 (0: time every step)")
+                   help="untimed first steps (compile, allocator, CUDA graph capture), of ours and of openclip_step alike "
+                   "(0: time every step)")
     p.add_argument("--search-start", type=int, default=32768)
     p.add_argument("--search-max", type=int, default=1 << 20)
     p.add_argument("--case-timeout", type=int, default=420, help="seconds per launched case")

@@ -29,9 +29,11 @@ OpenCLIP's micro-batches follow the GPU's memory. With more than 100 GiB (an H20
 
 Every engine command's own output and folder are kept under ``--out/<table>``. ``results.md`` /
 ``results.csv`` under ``--out`` hold the combined table, rewritten after each table, and the table
-is printed last. Samples/s are per GPU, both sides over the steps after 2 untimed warm-up steps
-(``--steps`` 5: 3 timed; OpenCLIP's ``--openclip-steps`` is ``--steps`` - 2, so both sides time as many steps); ours on the device clock
-(``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
+is printed last. Samples/s are per GPU, both sides over the same steps: ``--steps`` 8, the first
+``--warmup`` 3 untimed (the first two compile and capture the loss's CUDA graphs; on a fresh H100
+our third step took 0.52-0.59 s instead of 0.18 s in 2 of 3 runs on 2026-12-07, cause not
+found); ours on
+the device clock (``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
 """
 
 from __future__ import annotations
@@ -83,16 +85,16 @@ def openclip_micro(table: Table, mem_gib: Optional[float]) -> int:
 
 
 def engine_command(table: Table, batches: Sequence[int], micro: int, side_by_side: bool, out: str,
-                   steps: int = 5) -> List[str]:
+                   steps: int = 8, warmup: int = 3) -> List[str]:
     """The ``ds_infcl.bench.engine`` command of one table at ``batches`` per GPU."""
     plain = sorted(b for b in batches if b <= micro) or [micro]  # its plain step where the batch fits
     accum = [b for b in batches if b > micro]
     cmd = [sys.executable, "-m", "ds_infcl.bench.engine", "--num-gpus", str(table.gpus), "--arch", table.arch,
            "--no-search", "--deepspeed-config", "ds_configs/zero1.json", "--chunk-size", str(table.chunk),
-           "--steps", str(steps), "--throughput-batch", *[str(b * table.gpus) for b in batches],
+           "--steps", str(steps), "--warmup", str(warmup), "--throughput-batch", *[str(b * table.gpus) for b in batches],
            "--impls", table.ours, "openclip_step", "--openclip-modes", "compile",
            "--openclip-batches", *map(str, plain), "--openclip-accum-micro", str(micro),
-           "--openclip-steps", str(steps - 2),
+           "--openclip-steps", str(steps - warmup),
            "--case-timeout", "600", "--label", f"{table.model} {table.loss}, {table.gpus} GPU(s), vs OpenCLIP",
            "--out", out]
     if accum:
@@ -214,8 +216,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the tables to run (default: every one the visible GPUs allow)")
     p.add_argument("--batches", type=int, nargs="+", default=None,
                    help="per-GPU batches instead of each table's own (e.g. 512 for a quick check)")
-    p.add_argument("--steps", type=int, default=5,
-                   help="steps of each case, both sides: the first 2 are not timed (they compile); at least 3")
+    p.add_argument("--steps", type=int, default=8, help="steps of each case, both sides, the --warmup first untimed")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed first steps of each case, both sides (compile, CUDA graph capture, the first "
+                   "launches of each kernel)")
     p.add_argument("--no-side-by-side", action="store_true",
                    help="run OpenCLIP's cases after ours on the same GPUs even where twice the GPUs are visible")
     p.add_argument("--parallel", action="store_true",
@@ -223,8 +227,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "OpenCLIP's) one after the other on its own GPUs; each table starts, in order, once enough GPUs are free")
     p.add_argument("--out", default="runs/vs_openclip")
     args = p.parse_args(argv)
-    if args.steps < 3:
-        p.error(f"--steps must be at least 3 (2 untimed warm-up steps and one timed), got {args.steps}")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--steps {args.steps} --warmup {args.warmup}: give 0 <= --warmup < --steps (the timed steps are "
+                "those after the warm-up)")
     ids, info = _visible_gpu_ids(), _gpu_info()
     gpus = len(ids)
     names = args.tables or [n for n, t in TABLES.items() if t.gpus <= gpus]
@@ -241,7 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         batches = tuple(args.batches or table.batches)
         side = not (args.no_side_by_side or args.parallel) and gpus >= 2 * table.gpus
         folder = os.path.join(args.out, name)
-        cmd = engine_command(table, batches, openclip_micro(table, info["mem_gib"]), side, folder, args.steps)
+        cmd = engine_command(table, batches, openclip_micro(table, info["mem_gib"]), side, folder, args.steps,
+                             args.warmup)
         jobs.append(_Job(name, table, batches, cmd, folder, table.gpus * (2 if side else 1)))
     results: Dict[str, List[Dict[str, object]]] = {}
     written: List[str] = []  # the combined table as last written

@@ -129,7 +129,7 @@ class _Clock:
     def __init__(self):
         import threading
 
-        self.runs, self.lock = [], threading.Lock()
+        self.runs, self.lock, self.openclip_warmups = [], threading.Lock(), []
 
     def popen(self, cmd, env=None, **kwargs):
         import time
@@ -145,6 +145,7 @@ class _Clock:
                     self.side, self.gpus = "ours", cmd[cmd.index("--include") + 1]
                 else:  # ds_infcl.bench.openclip_step
                     out = cmd[cmd.index("--out") + 1]
+                    clock.openclip_warmups.append(cmd[cmd.index("--warmup") + 1])
                     with open(os.path.join(out, "summary.json"), "w") as f:
                         json.dump({"samples_per_s_per_gpu": 3000.0, "step_time_s": 0.17, "peak_mem_gib": 38.8,
                                    "mfu": 0.3}, f)
@@ -170,7 +171,8 @@ def test_side_by_side_runs_ours_and_openclip_at_once_on_their_own_gpus(monkeypat
     engine.main(["--num-gpus", "1", "--no-search", "--arch", "vit-b-16", "--throughput-batch", "512", "2048",
                  "--chunk-size", "512", "--impls", "infcl+gcauto", "openclip_step", "--openclip-modes", "compile",
                  "--openclip-batches", "512", "--openclip-accum-batches", "2048", "--openclip-accum-micro", "512",
-                 "--side-by-side", "--out", str(tmp_path)])
+                 "--side-by-side", "--warmup", "3", "--out", str(tmp_path)])
+    assert clock.openclip_warmups == ["3", "3"]  # OpenCLIP's step leaves as many steps untimed as ours
     ours = [r for r in clock.runs if r[0] == "ours"]
     theirs = [r for r in clock.runs if r[0] == "openclip"]
     assert len(ours) == 2 and len(theirs) == 2

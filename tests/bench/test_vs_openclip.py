@@ -53,18 +53,19 @@ def test_the_clip_2_command_global_batches_and_openclip_configurations():
     assert _values(cmd, "--impls") == ["infcl+compile+gcauto", "openclip_step"]
     assert "--side-by-side" not in cmd and "--openclip-loss" not in cmd
     assert _values(cmd, "--deepspeed-config") == ["ds_configs/zero1.json"]
-    assert _values(cmd, "--steps") == ["5"] and _values(cmd, "--openclip-steps") == ["3"]  # both sides time 3
-    longer = engine_command(TABLES["clip-2"], (512,), 1024, False, "o", steps=10)
+    assert _values(cmd, "--steps") == ["8"] and _values(cmd, "--warmup") == ["3"]
+    assert _values(cmd, "--openclip-steps") == ["5"]  # both sides time the 5 steps after 3 warm-up steps
+    longer = engine_command(TABLES["clip-2"], (512,), 1024, False, "o", steps=10, warmup=2)
     assert _values(longer, "--steps") == ["10"] and _values(longer, "--openclip-steps") == ["8"]
     siglip = engine_command(TABLES["siglip-1"], (2048,), 512, True, "o")
     assert _values(siglip, "--impls")[0] == "siglip+compile+gcauto" and _values(siglip, "--openclip-loss") == ["siglip"]
     assert _values(siglip, "--openclip-batches") == ["512"] and "--side-by-side" in siglip
 
 
-def test_fewer_than_three_steps_is_refused(capsys):
+def test_no_timed_step_is_refused(capsys):
     with pytest.raises(SystemExit):
-        vs_openclip.main(["--steps", "2", "--tables", "clip-1"])
-    assert "--steps must be at least 3" in capsys.readouterr().err
+        vs_openclip.main(["--steps", "3", "--tables", "clip-1"])
+    assert "--steps 3 --warmup 3: give 0 <= --warmup < --steps" in capsys.readouterr().err
 
 
 def _row(impl, gb, sps, status="ok", gpus=2):
