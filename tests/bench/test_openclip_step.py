@@ -114,7 +114,8 @@ def test_missing_open_clip_says_so(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="open_clip may import here; the row would run")
 def test_engine_row_says_open_clip_is_missing(tmp_path):
-    args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, openclip_loss="clip", case_timeout=120, out=str(tmp_path))
+    args = argparse.Namespace(arch="vit-b-16", num_gpus=1, openclip_steps=1, warmup=2, openclip_loss="clip", case_timeout=120,
+                              out=str(tmp_path))
     row = engine._run_openclip_case(args, 8, 1)
     assert row["status"] == "no open_clip" and row["impl"] == "openclip_step" and row["samples_per_s_per_gpu"] == ""
     assert "pip install open_clip_torch" in (tmp_path / "openclip_step_eager_8" / "log.txt").read_text()

@@ -36,7 +36,10 @@ def test_cached_mnrl_equals_mnrl_on_the_decoder_module(arch, lora_r, batch, mini
         results[cached] = (float(loss.detach()), _grads(model))
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5, abs=1e-6)
     for name, g in results[False][1].items():
-        assert torch.allclose(results[True][1][name], g, rtol=1e-4, atol=1e-6), name
+        # float32 sums in another order: elements that cancel to near zero differ by more than
+        # rtol; 1e-5 of the tensor's largest element bounds them (an atol of 1e-6 failed at some seeds
+        # and thread counts, once in a reverse-order run of the suite)
+        assert torch.allclose(results[True][1][name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max())), name
     assert any(g.abs().max() > 0 for g in results[False][1].values())
 
 
