@@ -32,8 +32,7 @@ Every engine command's own output and folder are kept under ``--out/<table>``. `
 is printed last. Samples/s are per GPU, both sides over the same steps: ``--steps`` 8, the first
 ``--warmup`` 3 untimed (the first two compile and capture the loss's CUDA graphs; on a fresh H100
 our third step took 0.52-0.59 s instead of 0.18 s in 2 of 3 runs on 2026-12-07, cause not
-found); ours on
-the device clock (``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
+found); ours on the device clock (``ds_infcl/train/inflight.py``), OpenCLIP's by its own loop.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
     """``DeepSpeedZeroOptimizer.get_grad_norm_direct`` (ZeRO-1/2's gradient norm) with one
     ``torch._foreach_norm`` over the gradients of the partition instead of a ``vector_norm``, a
     float64 copy and a ``.to(device)`` per gradient: a few kernel launches instead of three per
-    parameter, and no per-parameter Python. The same selection (padding, pipeline-replicated and
+    parameter (the selection below is the only per-parameter Python left). The same selection (padding, pipeline-replicated and
     model-parallel duplicates left out), the same float64 accumulation (``get_norm_dtype``), the
     same all-reduces and the same mask of a non-finite result. Where no gradient is left, the zero
     is made on the device (DeepSpeed's ``torch.tensor(0.0).to(device)`` is a pageable copy). Other
@@ -162,10 +162,11 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
         if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
             continue
         if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
-            grads.append(g.data)
+            grads.append(g)
     if grads:
-        norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
-        total_norm = torch.stack([n.to(self.device) for n in norms]).pow(2.0).sum().float()
+        with torch.no_grad():  # as DeepSpeed's ``g.data``, without a detach per gradient
+            norms = torch._foreach_norm(grads, 2.0, dtype=get_norm_dtype())
+        total_norm = torch.stack(norms).to(self.device).pow(2.0).sum().float()
     else:
         total_norm = torch.zeros((), dtype=torch.float32, device=self.device)
     dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
@@ -190,18 +191,17 @@ def count_used_parameters_in_backward(parameters) -> int:
     for param in parameters:
         if not isinstance(param, torch.Tensor) or not param.requires_grad:
             continue
-        node = None
-        if param.grad_fn is None:  # a leaf: its accumulator
-            kept = _GRAD_NODES.get(param)
-            if kept is not None and kept[1] == param.dtype and kept[2] == param.device:
-                node = kept[0]
-        if node is None:
+        leaf = param.grad_fn is None  # its node is its accumulator, which can be kept
+        kept = _GRAD_NODES.get(param) if leaf else None
+        if kept is not None and kept[1:] == (param.dtype, param.device):
+            node = kept[0]
+        else:
             with torch.enable_grad():
                 node = _get_grad_fn_or_grad_acc(param)
-            if param.grad_fn is None:
+            if leaf:
                 _GRAD_NODES[param] = (node, param.dtype, param.device)
         seen.add(node)
-    return int(sum(map(torch._C._will_engine_execute_node, seen))) if seen else 0
+    return int(sum(map(torch._C._will_engine_execute_node, seen)))
 
 
 def source_hash(fn: Callable) -> Optional[str]:

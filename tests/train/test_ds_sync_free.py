@@ -233,8 +233,26 @@ def test_the_norm_gives_the_originals_bits(one_rank, kind, mp_rank, norm_type):
     assert_same_bits(got, want)
 
 
+class _Ops(TorchDispatchMode):
+    """The number of operators dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_norm_launches_no_kernel_per_gradient_and_reads_nothing(one_rank):
     grads, params = _norm_case("plain")
+    counts = []
+    for n in (1, 2):  # the same operators for twice the gradients
+        with _Ops() as ops:
+            ds_sync_free.get_grad_norm_direct(_NormOptimizer(), grads * n, params * n)
+        counts.append(ops.count)
+    assert counts[0] == counts[1], counts
     for kind in ("plain", "empty"):
         grads, params = _norm_case(kind)
         with HostReads() as replaced:
@@ -248,12 +266,13 @@ def test_the_norm_launches_no_kernel_per_gradient_and_reads_nothing(one_rank):
 # -- the count of parameters in a backward ---------------------------------------------------------
 
 
-def _count_in_backward(fn, model, params, use, before=None):
-    """``fn(params)`` as it runs inside the backward of a loss made from the layers ``use``."""
+def _counts_in_backward(fns, model, params, use, dtype=torch.float32):
+    """``[fn(params) for fn in fns]`` as they run inside one backward of a loss made from the
+    layers ``use``."""
     seen = []
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, dtype=dtype)
     out = sum(model[i](x).sum() for i in use)
-    out.register_hook(lambda g: seen.append(fn(params)))
+    out.register_hook(lambda g: seen.append([fn(params) for fn in fns]))
     out.backward()
     return seen[0]
 
@@ -265,20 +284,16 @@ def test_the_count_is_the_originals_across_backwards(monkeypatch):
     model = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
     model[3].bias.requires_grad_(False)
     params = list(model.parameters()) + [model[0].weight, "not a tensor"]
+    both = (ORIGINAL_COUNT, ds_sync_free.count_used_parameters_in_backward)
     for use in ([0, 1, 2, 3], [1], [0, 3], [2, 2], [0, 1, 2, 3]):
-        want = _count_in_backward(ORIGINAL_COUNT, model, params, use)
-        assert _count_in_backward(ds_sync_free.count_used_parameters_in_backward, model, params, use) == want, use
-        assert want == 2 * len(set(use)) - (3 in use)
+        want, got = _counts_in_backward(both[::-1], model, params, use)[::-1]  # ours first: it fills the cache
+        assert got == want == 2 * len(set(use)) - (3 in use), use
     assert len(ds_sync_free._GRAD_NODES) == 7  # every leaf that requires a gradient, kept once
     model.double()  # param.data of another dtype: new accumulators
     kept = {id(p): ds_sync_free._GRAD_NODES[p][0] for p in model.parameters() if p.requires_grad}
     for use in ([0, 1], [0, 1, 2, 3]):
-        x = torch.randn(4, 8, dtype=torch.float64)
-        seen = []
-        out = sum(model[i](x).sum() for i in use)
-        out.register_hook(lambda g: seen.append((ORIGINAL_COUNT(params), ds_sync_free.count_used_parameters_in_backward(params))))
-        out.backward()
-        assert seen[0][0] == seen[0][1] == 2 * len(use) - (3 in use), use
+        want, got = _counts_in_backward(both, model, params, use, torch.float64)
+        assert got == want == 2 * len(use) - (3 in use), use
     assert all(ds_sync_free._GRAD_NODES[p][0] is not kept[id(p)] for p in model.parameters() if p.requires_grad)
 
 
