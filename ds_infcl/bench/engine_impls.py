@@ -10,7 +10,7 @@ __all__ = ["IMPL_OPTIONS", "parse_impl", "impl_label"]
 
 
 # ``+option`` of an impl: run-config overrides (the decoder ones are bench_decoder's task arguments)
-IMPL_OPTIONS = {"compile": "model.compile=blocks", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
+IMPL_OPTIONS = {"compile": "model.compile=blocks", "towers": "model.compile=towers", "auto": "batch.chunk_size=auto", "gcauto": "batch.grad_cache=auto",
                 "liger": "task.args.liger=true", "packing": "task.args.packing=true",
                 "nockpt": "task.args.gradient_checkpointing=false",
                 "ckptauto": "task.args.gradient_checkpointing=auto",

@@ -26,7 +26,7 @@ import torch
 from ds_infcl.loss.registry import get_loss_impl, register_loss_impl
 from ds_infcl.ops import LSEOptions, compose_infonce, infonce_loss, labels_or_diagonal, tiled_lse
 from ds_infcl.ops.precision import follows_autocast
-from ds_infcl.ops.validation import check_inputs, check_tile_size
+from ds_infcl.ops.validation import check_inputs, check_tile_size, checks_read_after_launch
 from ds_infcl.ring import agree_on_input_errors, group_size
 
 __all__ = ["lse", "contrastive_loss", "clip_loss", "positive_logits", "compose_infonce"]
@@ -88,19 +88,21 @@ def lse(
     """
     world = group_size(group)
     in_op = world == 1 and torch.compiler.is_compiling()  # traced: the op checks the values itself
-    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
-        check_tile_size(tile_size)
-        options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
-                             tile_size=tile_size)
-        check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
-                     allow_empty=world > 1, values=not in_op)
-    labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
-    scale_t = _as_scale_tensor(scale, query.device)
-    if world > 1:
-        from ds_infcl.loss.ring import ring_lse
+    # On one device the value checks are read once the kernels are queued (no wait first).
+    with checks_read_after_launch(world == 1 and not in_op):
+        with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+            check_tile_size(tile_size)
+            options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
+                                 tile_size=tile_size)
+            check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
+                         allow_empty=world > 1, values=not in_op)
+        labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
+        scale_t = _as_scale_tensor(scale, query.device)
+        if world > 1:
+            from ds_infcl.loss.ring import ring_lse
 
-        return ring_lse(query, key, scale_t, labels, options, group)
-    return tiled_lse(query, key, scale_t, labels, options, validate=in_op, check_finite=check_finite)
+            return ring_lse(query, key, scale_t, labels, options, group)
+        return tiled_lse(query, key, scale_t, labels, options, validate=in_op, check_finite=check_finite)
 
 
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):
@@ -173,20 +175,20 @@ def contrastive_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
     in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
-    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
-        fn = get_loss_impl(impl)
-        check_tile_size(tile_size)
-        check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
-                     values=not in_op)
-    labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
-    scale_t = _as_scale_tensor(scale, query.device)
-    if in_op:
-        return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
-                            tile_size=tile_size, validate=True, check_finite=check_finite)
-    return fn(
-        query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
-        tile_size=tile_size,
-    )
+    # On one device the value checks are read once the loss's kernels are queued (no wait first).
+    with checks_read_after_launch(world == 1 and not in_op):
+        with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+            fn = get_loss_impl(impl)
+            check_tile_size(tile_size)
+            check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
+                         values=not in_op)
+        labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
+        scale_t = _as_scale_tensor(scale, query.device)
+        if in_op:
+            return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
+                                tile_size=tile_size, validate=True, check_finite=check_finite)
+        return fn(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
+                  tile_size=tile_size)
 
 
 def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, scale: Scale, **kwargs):

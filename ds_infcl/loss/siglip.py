@@ -52,7 +52,7 @@ from ds_infcl.ops.infonce_graph import GATHER_MAX_LOGITS, inputs_of, run_graphed
 from ds_infcl.ops.lse import refuse_double_backward
 from ds_infcl.ops.precision import follows_autocast
 from ds_infcl.ops.siglip import siglip_backward, siglip_forward, siglip_ids, siglip_loss_local, siglip_passes
-from ds_infcl.ops.validation import check_inputs, check_tile_size
+from ds_infcl.ops.validation import check_inputs, check_tile_size, checks_read_after_launch
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
@@ -319,22 +319,24 @@ def siglip_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the op checks the values itself (in the graph).
     in_op = world == 1 and torch.compiler.is_compiling()
-    with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        check_tile_size(tile_size)
-        check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
-                     allow_empty=world > 1, bias=bias, values=not in_op)
-        _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
-        backend = resolve_backend(backend, query.device)
-    device = query.device
-    s, t = _as_scale_tensor(scale, device), _as_scale_tensor(bias, device)
-    if world == 1:
-        qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
-                              key_ids=key_ids)
-        return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
-                                 validate=in_op, check_finite=check_finite,
-                                 check_labels=labels is not None and query_ids is None)
+    # On one device the value checks are read once the kernels are queued (no wait first).
+    with checks_read_after_launch(world == 1 and not in_op):
+        with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
+            if backend not in BACKENDS:
+                raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            check_tile_size(tile_size)
+            check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
+                         allow_empty=world > 1, bias=bias, values=not in_op)
+            _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
+            backend = resolve_backend(backend, query.device)
+        device = query.device
+        s, t = _as_scale_tensor(scale, device), _as_scale_tensor(bias, device)
+        if world == 1:
+            qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
+                                  key_ids=key_ids)
+            return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
+                                     validate=in_op, check_finite=check_finite,
+                                     check_labels=labels is not None and query_ids is None)
     group = resolve_group(group)
     with_ids = query_ids is not None
     layout = exchange_layout(query, key, group, protocol="siglip", flags=int(with_ids), settings=algorithm_settings())

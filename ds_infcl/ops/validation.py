@@ -8,6 +8,7 @@ local check result so that a bad input on one rank raises on every rank instead 
 from __future__ import annotations
 
 import contextlib
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple, Union
@@ -15,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 __all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "check_features", "check_labels",
-           "check_label_bounds", "check_scale", "check_tile_size", "deferred_value_checks"]
+           "check_label_bounds", "check_scale", "check_tile_size", "deferred_value_checks", "checks_read_after_launch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,29 +120,63 @@ def check_values(
     at once unless the block's caller vouches for them (``labels_checked``): a label out of range
     would index past the keys before a queued check was read.
     """
-    names, values = [], []
-    if check_finite:
-        for name, t in (("query", query), ("key", key)):
-            if t is not None and t.numel():
-                names.append(name)
-                values.append((~torch.isfinite(t)).any(dim=1).sum())
-    for name, value in (("scale", scale), ("bias", bias)):
-        if torch.is_tensor(value) and (check_finite or value.device.type == "cpu"):
-            names.append(name)
-            values.append((~torch.isfinite(value.detach())).sum())
-    if labels is not None and labels.numel():
-        names += ["labels_min", "labels_max"]
-        values += [labels.min(), labels.max()]
-    if not values:
+    segments, values = _value_vector(query, key, scale, labels, check_finite, bias)
+    if values is None:
         return
-    device = values[0].device
-    stacked = torch.stack([v.to(device=device, dtype=torch.int64) for v in values])
     context = _Context(_rows(query), _rows(key), scale, bias, num_keys)
     pending = _PENDING.get()
     if pending is not None and (labels is None or pending.labels_checked):
-        pending.add(names, stacked, context)
+        pending.add(segments, values, context)
         return
-    _raise_for(dict(zip(names, stacked.tolist())), context)
+    _raise_for(_read(segments, values.cpu()), context)
+
+
+# One segment of the vector of _value_vector: (name, length).
+Segments = List[Tuple[str, int]]
+
+
+def _value_vector(query, key, scale, labels, check_finite: bool, bias) -> Tuple[Segments, Optional[torch.Tensor]]:
+    """Everything :func:`check_values` reads, in one float64 vector on the features' device, and its
+    segments: each row's largest ``|value|`` of ``query`` and ``key`` (NaN or Inf exactly where the
+    row holds one: one reduction per tensor), the tensor ``scale`` and ``bias``, the labels' min
+    and max (exact in float64). A handful of kernels and one copy, since at small batches the host's
+    launches are the cost of the call; ``None`` when there is nothing to read."""
+    segments: Segments = []
+    parts: List[torch.Tensor] = []
+    if check_finite:
+        for name, t in (("query", query), ("key", key)):
+            if t is not None and t.numel():
+                segments.append((name, t.shape[0]))
+                parts.append(torch.linalg.vector_norm(t.detach(), ord=float("inf"), dim=1))
+    for name, value in (("scale", scale), ("bias", bias)):
+        if torch.is_tensor(value) and (check_finite or value.device.type == "cpu"):
+            segments.append((name, value.numel()))
+            parts.append(value.detach().reshape(-1))
+    if labels is not None and labels.numel():
+        segments += [("labels_min", 1), ("labels_max", 1)]
+        parts += [bound.reshape(1) for bound in torch.aminmax(labels)]
+    if not parts:
+        return segments, None
+    device = parts[0].device
+    values = torch.empty(sum(n for _, n in segments), dtype=torch.float64, device=device)
+    return segments, torch.cat([p.to(device) for p in parts], out=values)
+
+
+def _read(segments: Segments, values: torch.Tensor) -> Dict[str, int]:
+    """The host's reading of a (CPU) value vector: name -> rows (or values) not finite, or the
+    label bound. One sum tells that all is finite (in float64 a sum of finite values of any dtype
+    here cannot overflow; a NaN or Inf makes it non-finite); the counts only when not."""
+    finite = sum(n for name, n in segments if not name.startswith("labels"))
+    all_finite = math.isfinite(float(values[:finite].sum()))
+    got, start = {}, 0
+    for name, n in segments:
+        part = values[start:start + n]
+        start += n
+        if name.startswith("labels"):
+            got[name] = int(part[0])
+        elif not all_finite:
+            got[name] = int((~torch.isfinite(part)).sum())
+    return got
 
 
 def _rows(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -200,38 +235,34 @@ class DeferredChecks:
 
     def __init__(self, labels_checked: bool = False) -> None:
         self.labels_checked = labels_checked
-        self._entries: List[Tuple[List[str], torch.Tensor, _Context]] = []
+        self._entries: List[Tuple[Segments, torch.Tensor, _Context]] = []
 
-    def add(self, names: List[str], values: torch.Tensor, context: _Context) -> None:
-        self._entries.append((names, values, context))
+    def add(self, segments: Segments, values: torch.Tensor, context: _Context) -> None:
+        self._entries.append((segments, values, context))
 
     def failed(self) -> Optional[torch.Tensor]:
         """A 0-dim device tensor, nonzero when a queued check failed; ``None`` when nothing is
         queued. Reads nothing."""
-        flags = [_failed_flags(names, values, ctx) for names, values, ctx in self._entries]
+        flags = [_failed_flag(segments, values, ctx.num_keys) for segments, values, ctx in self._entries]
         return torch.stack(flags).sum() if flags else None
 
     def raise_if_failed(self) -> None:
         """Read the queued checks (after the kernels that made them have finished: no wait) and
         raise the ``ValueError`` of the first that failed, as :func:`check_values` would have."""
-        for names, values, ctx in self._entries:
-            _raise_for(dict(zip(names, values.tolist())), ctx)
+        for segments, values, ctx in self._entries:
+            _raise_for(_read(segments, values.cpu()), ctx)
 
 
-def _failed_flags(names: List[str], values: torch.Tensor, ctx: _Context) -> torch.Tensor:
+def _failed_flag(segments: Segments, values: torch.Tensor, num_keys: int) -> torch.Tensor:
     """On the device: 1 when any check of one :func:`check_values` call failed, else 0."""
-    bad = torch.zeros((), dtype=torch.int64, device=values.device)
-    for i, name in enumerate(names):
-        if name == "labels_min":
-            bad = bad + (values[i] < 0).long()
-        elif name == "labels_max":
-            bad = bad + (values[i] >= ctx.num_keys).long()
-        else:
-            bad = bad + (values[i] > 0).long()
-    return (bad > 0).long()
+    finite = sum(n for name, n in segments if not name.startswith("labels"))
+    bad = (~torch.isfinite(values[:finite])).any()
+    if finite < values.numel():  # the labels' min and max follow
+        bad = bad | (values[finite] < 0) | (values[finite + 1] >= num_keys)
+    return bad.long()
 
 
-_PENDING: ContextVar[Optional[DeferredChecks]] = ContextVar("ds_infcl_deferred_checks", default=None)
+_PENDING: ContextVar[Optional[Union[DeferredChecks, _ReadAfterLaunch]]] = ContextVar("ds_infcl_deferred_checks", default=None)
 
 
 @contextlib.contextmanager
@@ -246,6 +277,52 @@ def deferred_value_checks(labels_checked: bool = False) -> Iterator[DeferredChec
         yield pending
     finally:
         _PENDING.reset(token)
+
+
+class _ReadAfterLaunch:
+    """The value checks of one loss call inside :func:`checks_read_after_launch`: each is copied to
+    the host as soon as it is computed, without a wait, and read when the call has queued its
+    kernels. A call with labels still reads at once (``labels_checked`` false)."""
+
+    labels_checked = False
+
+    def __init__(self) -> None:
+        self._entries: List[Tuple[Segments, torch.Tensor, _Context, Optional[torch.cuda.Event]]] = []
+
+    def add(self, segments: Segments, values: torch.Tensor, context: _Context) -> None:
+        event = None
+        if values.is_cuda:
+            values = values.to("cpu", non_blocking=True)  # into pinned memory, queued
+            event = torch.cuda.Event()
+            event.record()
+        self._entries.append((segments, values, context, event))
+
+    def raise_if_failed(self) -> None:
+        for segments, values, ctx, event in self._entries:
+            if event is not None:
+                event.synchronize()  # waits for the copy only, queued before the call's kernels
+            _raise_for(_read(segments, values), ctx)
+
+
+@contextlib.contextmanager
+def checks_read_after_launch(enabled: bool = True) -> Iterator[None]:
+    """One loss call's value checks (finite features, scale and bias) read after the call has
+    queued its forward, not before: reading them first would make the host wait for the GPU to
+    drain before it launches a kernel of the loss, which at small batches costs as much as the loss
+    itself (0.5 ms of a 0.9 ms SigLIP call at 4,096 rows on an H100). The failed check raises the
+    same ``ValueError`` when the block ends, before the loss is returned; the kernels queued on the
+    bad features are left to finish. A no-op when not ``enabled`` or inside
+    :func:`deferred_value_checks` (the trainer reads them later still)."""
+    if not enabled or _PENDING.get() is not None:
+        yield
+        return
+    pending = _ReadAfterLaunch()
+    token = _PENDING.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+    pending.raise_if_failed()
 
 
 def check_inputs(

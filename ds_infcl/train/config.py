@@ -105,7 +105,8 @@ class ModelConfig:
     """``model``: how the task's towers run. ``compile``: ``false`` (eager), ``"blocks"`` (or
     ``true``): each repeated block (every child of an ``nn.ModuleList`` in the towers, e.g. the
     transformer layers) compiled in place with ``torch.compile(dynamic=False)``, parameter names
-    and checkpoints unchanged; ``compile_mode`` is ``torch.compile``'s ``mode``, ``default`` or
+    and checkpoints unchanged; ``"towers"``: ``encode_query``/``encode_key`` each compiled whole;
+    ``compile_mode`` is ``torch.compile``'s ``mode``, ``default`` or
     ``max-autotune-no-cudagraphs`` (the CUDA-graph modes are refused: per-block graphs overwrite
     outputs still in use). Not with ZeRO stage 3 (its parameter hooks would run inside the compiled
     blocks); see ``ds_infcl.train.model.compile_towers``. ``fp8``, ``fp8_recipe`` (``"tensorwise"``,
@@ -365,7 +366,7 @@ def _validate(cfg: RunConfig) -> None:
                               "\"auto\"; remove it or set one of them to \"auto\"")
         if not cfg.batch.memory_budget_gib > 0:
             raise ConfigError(f"batch.memory_budget_gib: must be > 0, got {cfg.batch.memory_budget_gib}")
-    _allowed("model.compile", cfg.model.compile, (False, True, "blocks"))
+    _allowed("model.compile", cfg.model.compile, (False, True, "blocks", "towers"))
     if cfg.model.compile_mode in _CUDA_GRAPH_MODES:
         raise ConfigError(
             f"model.compile_mode: {cfg.model.compile_mode!r} captures each compiled block in a CUDA graph, and a block's "

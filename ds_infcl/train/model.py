@@ -42,7 +42,7 @@ from torch import nn
 from ds_infcl.tasks.base import tree_map
 
 __all__ = ["ContrastiveModel", "Encoder", "loss_with_params", "loss_param_names", "find_blocks", "compile_blocks",
-           "compile_towers", "check_compile_stage", "eager_blocks"]
+           "compile_encoders", "compile_towers", "check_compile_stage", "eager_blocks"]
 
 MODES = ("loss", "encode", "encode_query", "encode_key", "logit_scale", "loss_params", "surrogate", "kept_surrogate",
          "gradients")
@@ -100,16 +100,46 @@ def compile_blocks(towers: nn.Module, *, mode: str = "default") -> List[str]:
     Returns:
         the names of the compiled blocks (empty when the towers have no ``nn.ModuleList``).
     """
-    import torch._dynamo
-
     blocks = find_blocks(towers)
     for _, block in blocks:
         block.compile(dynamic=False, mode=None if mode == "default" else mode)
     if blocks:
-        config = torch._dynamo.config
-        key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-        setattr(config, key, max(getattr(config, key), 64))
+        _raise_recompile_limit()
     return [name for name, _ in blocks]
+
+
+_ENCODERS = ("encode_query", "encode_key")
+_COMPILED_MARK = "_ds_infcl_compiled_encoders"
+
+
+def compile_encoders(towers: nn.Module, *, mode: str = "default") -> List[str]:
+    """Compile the towers' ``encode_query`` and ``encode_key`` whole: each bound method is replaced,
+    on this instance only, by ``torch.compile(method, dynamic=False)``. Each tower is then one graph
+    forward and one backward (embeddings, blocks, pooling and projection fused where inductor can),
+    instead of one per block plus the eager parts between them: less host work per step, which is
+    what the step at small per-GPU batches waits for. Parameters, their names and the ``state_dict``
+    keys are unchanged. Code dynamo cannot trace (a host read, a generator) splits the graph there
+    and runs eagerly, with the same results.
+
+    Returns:
+        the names of the compiled methods (empty when they were compiled before).
+    """
+    if getattr(towers, _COMPILED_MARK, False):
+        return []
+    for name in _ENCODERS:
+        setattr(towers, name, torch.compile(getattr(towers, name), dynamic=False,
+                                            mode=None if mode == "default" else mode))
+    setattr(towers, _COMPILED_MARK, True)
+    _raise_recompile_limit()
+    return list(_ENCODERS)
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, key, max(getattr(config, key), 64))
 
 
 def check_compile_stage(zero_stage: int) -> None:
@@ -128,7 +158,8 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
                    micro_batch_size: Optional[int] = None) -> nn.Module:
     """Apply the run config's ``model`` section (``fp8``, ``compile``, ``compile_mode``) to the
     task's towers before ``deepspeed.initialize``; returns ``towers`` (converted and compiled in
-    place) and logs what it did.
+    place) and logs what it did. ``compile``: ``"blocks"`` (or ``True``) compiles each repeated
+    block (``compile_blocks``), ``"towers"`` the two encode methods whole (``compile_encoders``).
 
     ``fp8`` first swaps the blocks' linear layers for torchao's float8 ones
     (``ds_infcl.train.fp8.convert_to_fp8``; ``micro_batch_size``, the rows of one micro-batch,
@@ -161,6 +192,11 @@ def compile_towers(towers: nn.Module, model_config, zero_stage: int, log: Callab
 
     if any(getattr(m, LIGER_MARK, None) for m in towers.modules()):
         raise ConfigError(LIGER_WITH_COMPILE)
+    if setting == "towers":
+        compile_encoders(towers, mode=model_config.compile_mode)
+        log(f"model.compile: towers compiled whole (torch.compile dynamic=False, mode {model_config.compile_mode!r}): "
+            f"{type(towers).__name__}.encode_query, .encode_key; the first step includes the compilation")
+        return towers
     names = compile_blocks(towers, mode=model_config.compile_mode)
     if not names:
         raise ConfigError(

@@ -95,6 +95,7 @@ def test_arguments():
             openclip_step.parse_args(bad + ["--out", "x"])
     assert parse_impl("infcl+compile+auto") == ("infcl", ["model.compile=blocks", "batch.chunk_size=auto"])
     assert parse_impl("local") == ("local", [])
+    assert parse_impl("siglip+towers+gcauto") == ("siglip", ["model.compile=towers", "batch.grad_cache=auto"])
     assert parse_impl("infcl+compile+fp8+fp8row") == (
         "infcl", ["model.compile=blocks", "model.fp8=true", "model.fp8_recipe=rowwise"])
     assert parse_impl("infcl+compile+fp8auto+chunk016")[1] == [

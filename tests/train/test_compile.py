@@ -16,7 +16,7 @@ from ds_infcl.errors import ConfigError
 from ds_infcl.loss import ContrastiveLoss
 from ds_infcl.tasks.base import Batch
 from ds_infcl.train.config import run_config_from_dict
-from ds_infcl.train.model import ContrastiveModel, compile_blocks, compile_towers, find_blocks
+from ds_infcl.train.model import ContrastiveModel, compile_blocks, compile_encoders, compile_towers, find_blocks
 from ds_infcl.train.steps import grad_cache_step
 from tests.train import harness
 from tests.train.blocks_task import BlockTowers
@@ -56,6 +56,19 @@ def test_compile_towers_errors_and_no_op():
         compile_towers(towers, on, 3)
     with pytest.raises(ConfigError, match=r"no nn.ModuleList of blocks to compile"):
         compile_towers(torch.nn.Sequential(torch.nn.Linear(2, 2)), on, 2)
+    # "towers": the two encode methods, on this instance only, once; the blocks stay as they are.
+    whole = types.SimpleNamespace(compile="towers", compile_mode="default")
+    lines = []
+    assert compile_towers(towers, whole, 2, log=lines.append) is towers
+    assert "encode_query" in vars(towers) and "encode_key" in vars(towers)
+    assert all(b._compiled_call_impl is None for _, b in find_blocks(towers))
+    assert "encode_query" not in vars(_towers())
+    assert lines == ["model.compile: towers compiled whole (torch.compile dynamic=False, mode 'default'): "
+                     "BlockTowers.encode_query, .encode_key; the first step includes the compilation"]
+    compiled_query = towers.encode_query
+    assert compile_encoders(towers) == [] and towers.encode_query is compiled_query  # not wrapped twice
+    with pytest.raises(ConfigError, match=r"model.compile: not supported with ZeRO stage 3"):
+        compile_towers(_towers(), whole, 3)
 
 
 def test_compile_refuses_liger_patched_towers_at_load_and_at_build():
@@ -80,10 +93,10 @@ def test_compile_refuses_liger_patched_towers_at_load_and_at_build():
 
 def test_config_keys():
     base = {"batch": {"global_batch_size": 8}, "train": {"num_steps": 1}}
-    for value in (False, True, "blocks"):
+    for value in (False, True, "blocks", "towers"):
         assert run_config_from_dict({**base, "model": {"compile": value}}).model.compile == value
-    with pytest.raises(ConfigError, match=r"model.compile: 'towers' is not allowed"):
-        run_config_from_dict({**base, "model": {"compile": "towers"}})
+    with pytest.raises(ConfigError, match=r"model.compile: 'model' is not allowed"):
+        run_config_from_dict({**base, "model": {"compile": "model"}})
     with pytest.raises(ConfigError, match=r"model.compile_mode: 'fast' is not allowed"):
         run_config_from_dict({**base, "model": {"compile_mode": "fast"}})
     # The CUDA-graph modes failed at step 1 on a GPU (per-block graphs overwrite outputs still in
@@ -96,15 +109,22 @@ def test_config_keys():
         assert run_config_from_dict({**base, "model": {"compile_mode": mode}}).model.compile_mode == mode
 
 
+def _compile(towers, setting):
+    names = compile_blocks(towers) if setting == "blocks" else compile_encoders(towers)
+    assert names == (["query_tower.blocks.0", "query_tower.blocks.1", "key_tower.blocks.0", "key_tower.blocks.1"]
+                     if setting == "blocks" else ["encode_query", "encode_key"])
+
+
 @pytest.mark.slow
 @needs_cxx
-def test_compiled_blocks_match_eager_and_replay_dropout():
+@pytest.mark.parametrize("setting", ["blocks", "towers"])
+def test_compiled_towers_match_eager_and_replay_dropout(setting):
     eager = _towers()
     compiled = copy.deepcopy(eager)
     keys = list(compiled.state_dict())
     graphs = _unique_graphs()
-    names = compile_blocks(compiled)
-    assert len(names) == 4 and list(compiled.state_dict()) == keys  # checkpoints keep their keys
+    _compile(compiled, setting)
+    assert list(compiled.state_dict()) == keys  # checkpoints keep their keys
     x = torch.randn(16, 32)
     out = {}
     for name, towers in (("eager", eager), ("compiled", compiled)):
@@ -132,7 +152,7 @@ def test_compiled_blocks_match_eager_and_replay_dropout():
     # Dropout inside compiled blocks: a restored RNG state gives the same masks with and without
     # gradients (GradCache's pass 1 vs pass 3), so the replay check of a GradCache step passes.
     towers = _towers(dropout=0.3)
-    compile_blocks(towers)
+    _compile(towers, setting)
     model = ContrastiveModel(towers, ContrastiveLoss(symmetric=True, impl="infcl"))
     batch = Batch(query_inputs=torch.randn(32, 32), key_inputs=torch.randn(32, 32), sample_index=torch.arange(32))
     state = torch.get_rng_state()
@@ -150,13 +170,14 @@ def test_compiled_blocks_match_eager_and_replay_dropout():
 @pytest.mark.slow
 @needs_cxx
 def test_trainer_compiled_equals_eager_and_auto_chunk(tmp_path):
-    """One process, ZeRO-2 fp32: eager, compiled blocks and chunk "auto" (eager: its chunks would
-    each compile new shapes) train to the same losses; "auto" writes its choice into the run config."""
+    """One process, ZeRO-2 fp32: eager, compiled blocks, whole compiled towers and chunk "auto"
+    (eager: its chunks would each compile new shapes) train to the same losses; "auto" writes its choice into the run config."""
     common = harness.COMMON + ["task.name=tests.train.blocks_task:BlocksTask", "batch.grad_cache=true",
                                "batch.global_batch_size=128"]
     jobs = [
         harness.job("eager", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=16"]),
         harness.job("compiled", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=16", "model.compile=true"]),
+        harness.job("towers", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=16", "model.compile=towers"]),
         harness.job("auto", "zero2_fp32.json", harness.SGD, common + ["batch.chunk_size=auto"]),
     ]
     harness.run_jobs(harness.write_jobs(tmp_path, jobs), 1)
@@ -169,10 +190,12 @@ def test_trainer_compiled_equals_eager_and_auto_chunk(tmp_path):
     # The blocks really run compiled in the trainer: the no-grad pass and the chunk with gradients
     # each give a graph. (The FLOP count's dispatch mode once made dynamo skip the blocks for good,
     # so the "compiled" run was eager with the same losses.)
-    graphs = json.loads((tmp_path / "compiled" / "dynamo.json").read_text())["unique_graphs"]
-    assert graphs >= 2, graphs
+    for name in ("compiled", "towers"):
+        graphs = json.loads((tmp_path / name / "dynamo.json").read_text())["unique_graphs"]
+        assert graphs >= 2, (name, graphs)
+    assert "model.compile: towers compiled whole" in log
     assert json.loads((tmp_path / "eager" / "dynamo.json").read_text())["unique_graphs"] == 0
-    for name in ("compiled", "auto"):
+    for name in ("compiled", "towers", "auto"):
         assert summaries[name]["losses"] == pytest.approx(summaries["eager"]["losses"], rel=1e-5, abs=1e-6), name
         eager = torch.load(tmp_path / "eager" / "params.pt")
         other = torch.load(tmp_path / name / "params.pt")
