@@ -102,15 +102,14 @@ class BatchConfig:
 
 @dataclass
 class ModelConfig:
-    """``model``: how the task's towers run. ``compile``: ``false`` (eager), ``"blocks"`` (or
-    ``true``): each repeated block (every child of an ``nn.ModuleList`` in the towers, e.g. the
-    transformer layers) compiled in place with ``torch.compile(dynamic=False)``, parameter names
-    and checkpoints unchanged; ``"towers"``: ``encode_query``/``encode_key`` each compiled whole;
-    ``compile_mode`` is ``torch.compile``'s ``mode``, ``default`` or
-    ``max-autotune-no-cudagraphs`` (the CUDA-graph modes are refused: per-block graphs overwrite
-    outputs still in use). Not with ZeRO stage 3 (its parameter hooks would run inside the compiled
-    blocks); see ``ds_infcl.train.model.compile_towers``. ``fp8``, ``fp8_recipe`` (``"tensorwise"``,
-    ``"rowwise"``), ``fp8_layers`` (``"blocks"``, ``"auto"``): torchao float8 linears, ``train/fp8.py``."""
+    """``model``: how the task's towers run. ``compile``: ``false`` (eager), ``"blocks"`` (or ``true``):
+    each repeated block (every child of an ``nn.ModuleList`` in the towers) compiled in place with
+    ``torch.compile(dynamic=False)``, parameter names and checkpoints unchanged; ``"towers"``:
+    ``encode_query``/``encode_key`` each compiled whole. ``compile_mode``: ``torch.compile``'s
+    ``mode``, ``default`` or ``max-autotune-no-cudagraphs`` (the CUDA-graph modes are refused:
+    per-block graphs overwrite outputs still in use). Not with ZeRO stage 3 (hooks in the blocks); see
+    ``ds_infcl.train.model.compile_towers``. ``fp8``, ``fp8_recipe`` (``"tensorwise"``, ``"rowwise"``),
+    ``fp8_layers`` (``"blocks"``, ``"auto"``): torchao float8 linears, ``train/fp8.py``."""
 
     compile: Union[bool, str] = False
     compile_mode: str = "default"
