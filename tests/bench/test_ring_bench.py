@@ -183,3 +183,14 @@ def test_quick_and_paired_exclude_each_other(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--quick", "--paired", "2"],
                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode != 0 and "--quick times each point alone" in out.stderr
+
+
+def test_checked_rows_time_the_default_call_beside_the_unchecked_one(tmp_path):
+    """``infcl_checked`` / ``siglip_checked``: the default call (its input check on) in the same
+    paired rounds as the rows without the check, so the check's cost is one subtraction."""
+    rows, saved = _run(tmp_path, "--paired", "1", "--paired-calls", "2",
+                       impls=("infcl", "infcl_checked", "siglip", "siglip_checked"))
+    assert [r["impl"] for r in saved] == ["infcl", "infcl_checked", "siglip", "siglip_checked"]
+    for impl in ("infcl_checked", "siglip_checked"):
+        assert rows[impl][5] == "ok (paired, 1 x 2 calls)", rows[impl]
+        assert {r["impl"]: r["backend"] for r in saved}[impl] == "torch"
