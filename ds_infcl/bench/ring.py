@@ -24,8 +24,7 @@ forward and backward (``check_finite=False``). Reported per point, over the rank
 this package (a git revision of this checkout, or a folder holding its ``ds_infcl/``), imported
 beside the current one (``ds_infcl.bench.base_tree``) and timed in the same rounds, with its own
 single-GPU reference for its weak scaling: a change against the code before it, on one machine
-at one time. ``infcl_checked`` and ``siglip_checked`` are the default calls (``check_finite=True``),
-so that ``--paired`` times the input check's cost within one set of rounds.
+at one time. ``infcl_checked``/``siglip_checked``: the default calls, the input check's cost in one set of rounds.
 
 Baselines materialize float32 logits (they upcast bf16 features for exact gradients); TF32
 matmuls are allowed for them unless ``--no-tf32``. Points whose logits would not fit in free
@@ -60,9 +59,7 @@ SIGLIP_IMPLS = ("siglip", "siglip_ring", "siglip_gather", "siglip_openclip")
 # (DS_INFCL_GATHER_OWN_BACKWARD_MIN_LOGITS, set on every rank around each call); not run by
 # default: the paired comparison of docs/distributed.md, "The own block's backward in the forward".
 _OWN_BACKWARD = {"infcl_own_early": 0, "infcl_own_late": 1 << 62}
-# infcl and siglip called as users call them by default (check_finite=True: the input check of
-# docs/loss.md, "Errors"), timed in the same rounds as the rows without it; not run by default.
-CHECKED = "_checked"
+CHECKED = "_checked"  # infcl_checked, siglip_checked: the default call (check_finite=True); not run by default
 CHOICES = IMPLS + tuple(_OWN_BACKWARD) + SIGLIP_IMPLS + ("infcl" + CHECKED, "siglip" + CHECKED)
 # The other version's infcl under --base (ds_infcl.bench.base_tree); its table row is infcl@REV.
 BASE_IMPL = "infcl_base"
@@ -141,8 +138,7 @@ def _make_step(impl, b, c, dtype, group, args):
     q = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
     k = torch.nn.functional.normalize(torch.randn(b, c, device=_DEVICE, generator=g), dim=1)
     q, k = q.to(dtype).requires_grad_(), k.to(dtype).requires_grad_()
-    checked = impl.endswith(CHECKED)
-    impl = impl[:-len(CHECKED)] if checked else impl
+    checked, impl = impl.endswith(CHECKED), impl.removesuffix(CHECKED)
     siglip = impl.startswith("siglip")
     scale = torch.tensor(10.0 if siglip else 14.3, device=_DEVICE, requires_grad=True)
     bias = torch.tensor(-10.0, device=_DEVICE, requires_grad=True)  # (SigLIP's)
