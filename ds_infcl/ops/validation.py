@@ -307,11 +307,11 @@ class _ReadAfterLaunch:
 @contextlib.contextmanager
 def checks_read_after_launch(enabled: bool = True) -> Iterator[None]:
     """One loss call's value checks (finite features, scale and bias) read after the call has
-    queued its forward, not before: reading them first would make the host wait for the GPU to
-    drain before it launches a kernel of the loss, which at small batches costs as much as the loss
-    itself (0.5 ms of a 0.9 ms SigLIP call at 4,096 rows on an H100). The failed check raises the
-    same ``ValueError`` when the block ends, before the loss is returned; the kernels queued on the
-    bad features are left to finish. A no-op when not ``enabled`` or inside
+    queued its forward, not before. Read first, the host would wait for the GPU's whole queue to
+    drain before it launched the loss's first kernel; read after, it waits for the copy of the
+    check only, which the GPU reaches while the host launches the forward. The failed check raises
+    the same ``ValueError`` when the block ends, before the loss is returned; the kernels queued on
+    the bad features are left to finish. A no-op when not ``enabled`` or inside
     :func:`deferred_value_checks` (the trainer reads them later still)."""
     if not enabled or _PENDING.get() is not None:
         yield

@@ -1,8 +1,8 @@
 """A loss called outside a trainer step on a CUDA GPU reads its value checks (NaN/Inf features, a
 finite scale and bias) after its forward is queued (``ds_infcl.ops.validation.checks_read_after_launch``):
 the check's counts go to pinned host memory by a queued copy, and the host waits for that copy only,
-so it never drains the GPU before launching the loss. Issue 37 measured the earlier read at 0.5 ms
-of a 0.9 ms SigLIP call at 4,096 rows on one H100.
+so it never drains the GPU before launching the loss (docs/bench/loss_small_batch_h100_w1_2026-12-07_twentieth.md
+has what the check costs at small batches).
 
     python -m pytest -q -s tests/gpu/test_loss_checks_gpu.py
 """
