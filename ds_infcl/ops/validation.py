@@ -162,12 +162,16 @@ def _value_vector(query, key, scale, labels, check_finite: bool, bias) -> Tuple[
     return segments, torch.cat([p.to(device) for p in parts], out=values)
 
 
+def _finite_part(segments: Segments) -> int:
+    """How many leading values of the vector must be finite (all but the labels' bounds, last)."""
+    return sum(n for name, n in segments if not name.startswith("labels"))
+
+
 def _read(segments: Segments, values: torch.Tensor) -> Dict[str, int]:
     """The host's reading of a (CPU) value vector: name -> rows (or values) not finite, or the
     label bound. One sum tells that all is finite (in float64 a sum of finite values of any dtype
     here cannot overflow; a NaN or Inf makes it non-finite); the counts only when not."""
-    finite = sum(n for name, n in segments if not name.startswith("labels"))
-    all_finite = math.isfinite(float(values[:finite].sum()))
+    all_finite = math.isfinite(float(values[:_finite_part(segments)].sum()))
     got, start = {}, 0
     for name, n in segments:
         part = values[start:start + n]
@@ -255,7 +259,7 @@ class DeferredChecks:
 
 def _failed_flag(segments: Segments, values: torch.Tensor, num_keys: int) -> torch.Tensor:
     """On the device: 1 when any check of one :func:`check_values` call failed, else 0."""
-    finite = sum(n for name, n in segments if not name.startswith("labels"))
+    finite = _finite_part(segments)
     bad = (~torch.isfinite(values[:finite])).any()
     if finite < values.numel():  # the labels' min and max follow
         bad = bad | (values[finite] < 0) | (values[finite + 1] >= num_keys)
