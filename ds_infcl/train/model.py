@@ -116,8 +116,9 @@ def compile_encoders(towers: nn.Module, *, mode: str = "default") -> List[str]:
     """Compile the towers' ``encode_query`` and ``encode_key`` whole: each bound method is replaced,
     on this instance only, by ``torch.compile(method, dynamic=False)``. Each tower is then one graph
     forward and one backward (embeddings, blocks, pooling and projection fused where inductor can),
-    instead of one per block plus the eager parts between them: less host work per step, which is
-    what the step at small per-GPU batches waits for. Parameters, their names and the ``state_dict``
+    instead of one per block plus the eager parts between them. On ViT-B/16 this was no faster than
+    ``compile_blocks`` (docs/bench/compile_towers_h100_2026-12-07_twentieth.md); it is meant for
+    towers whose eager parts between the blocks are heavier. Parameters, their names and the ``state_dict``
     keys are unchanged. Code dynamo cannot trace (a host read, a generator) splits the graph there
     and runs eagerly, with the same results.
 
