@@ -1,12 +1,14 @@
-"""Per-rank timing and kernel timeline of the distributed InfoNCE, to find where a slow rank waits.
+"""Per-rank timing and kernel timeline of the distributed InfoNCE or SigLIP loss, to find where a slow
+rank waits, or where the GPU idles in a call.
 
     torchrun --nproc_per_node 2 ds_infcl/bench/ring_trace.py --batch 131072 --algorithm ring --out runs/trace
 
-Every rank times ``--reps`` calls of the symmetric loss, forward + backward (as ``bench.ring``
-runs it: bf16 on CUDA, c = ``--dim``, normalized random features, ``check_finite=False``) with CUDA
+Every rank times ``--reps`` calls of the symmetric loss (``--loss siglip``: ``siglip_loss``), forward
++ backward (as ``bench.ring`` runs it: bf16 on CUDA, c = ``--dim``, normalized random features,
+``check_finite=False``; ``--checked``: the default call, with its input check) with CUDA
 events and prints its own list of milliseconds per call (``bench.ring`` reports the slowest rank's
 median only). Then it profiles three more calls with ``torch.profiler`` and writes, per rank, a
-Chrome trace (``ring_<tag>_b<B>_rank<r>.json``) and a text timeline (``..._kernels.txt``): every
+Chrome trace (``<loss>_<tag>_b<B>_rank<r>.json``) and a text timeline (``..._kernels.txt``): every
 NCCL kernel and every LSE forward block with its start and duration, and the device time per call
 of the heaviest kernels (the mean of the three). A forward block that takes twice its usual time on one rank, spanned by
 an NCCL kernel, is an SM held by a P2P kernel that waits for the peer.
@@ -118,6 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--algorithm", choices=["auto", "ring", "gather"], default="auto",
                    help="DS_INFCL_ALGORITHM for these calls")
+    p.add_argument("--loss", choices=["infonce", "siglip"], default="infonce",
+                   help="contrastive_loss (symmetric InfoNCE) or siglip_loss (with SigLIP's bias)")
+    p.add_argument("--checked", action="store_true",
+                   help="the default call: check_finite=True (the input check), not check_finite=False")
     p.add_argument("--tag", default="run", help="names the output files and prefixes every line")
     p.add_argument("--out", default="runs/ring_trace")
     p.add_argument("--warmup-seconds", type=float, default=0.5,
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
     import ds_infcl
     from ds_infcl import settings
     from ds_infcl.bench.ring import MIN_WARMUP_STEPS, warm_up_steps
-    from ds_infcl.loss import contrastive_loss
+    from ds_infcl.loss import contrastive_loss, siglip_loss
 
     settings.put("DS_INFCL_ALGORITHM", args.algorithm)  # for every call of this run
     cuda = torch.cuda.is_available()
@@ -153,12 +159,18 @@ def main(argv=None) -> int:
         return torch.nn.functional.normalize(x, dim=1).to(dtype).requires_grad_()
 
     q, k = features(), features()
-    scale = torch.tensor(14.3, device=device, requires_grad=True)
+    siglip = args.loss == "siglip"
+    scale = torch.tensor(10.0 if siglip else 14.3, device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
     backend = "auto" if cuda else "torch"
+    checks = {} if args.checked else {"check_finite": False}
 
     def call():
-        contrastive_loss(q, k, scale, symmetric=True, impl="infcl", backend=backend,
-                         check_finite=False).backward()
+        if siglip:
+            loss = siglip_loss(q, k, scale, bias, backend=backend, **checks)
+        else:
+            loss = contrastive_loss(q, k, scale, symmetric=True, impl="infcl", backend=backend, **checks)
+        loss.backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warm_up_steps(call, steps=MIN_WARMUP_STEPS, seconds=args.warmup_seconds, device=device)
@@ -188,7 +200,7 @@ def main(argv=None) -> int:
             with record_function(f"ds_infcl_trace_call{i}"):
                 call()
                 sync()
-    stem = os.path.join(args.out, f"ring_{args.tag}_b{args.batch}_rank{rank}")
+    stem = os.path.join(args.out, f"{args.loss}_{args.tag}_b{args.batch}_rank{rank}")
     prof.export_chrome_trace(stem + ".json")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     t0 = min((e.time_range.start for e in kernels), default=0)

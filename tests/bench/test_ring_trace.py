@@ -6,23 +6,27 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from ds_infcl.train.dist import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "ds_infcl", "bench", "ring_trace.py")
 
 
-def test_two_ranks_write_their_traces(tmp_path):
+@pytest.mark.parametrize("loss", [["--algorithm", "ring"], ["--loss", "siglip", "--checked"]], ids=["infonce", "siglip"])
+def test_two_ranks_write_their_traces(tmp_path, loss):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT,
-           "--batch", "64", "--dim", "16", "--reps", "2", "--algorithm", "ring", "--tag", "t", "--out", str(tmp_path)]
+           "--batch", "64", "--dim", "16", "--reps", "2", "--tag", "t", "--out", str(tmp_path)] + loss
+    stem = "siglip" if "siglip" in loss else "infonce"
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for rank in (0, 1):
         m = re.search(rf"\[t\] rank {rank} b 64 ms per call: \[([0-9., ]+)\]", out.stdout)
         assert m and len(m.group(1).split(",")) == 2, out.stdout
-        assert (tmp_path / f"ring_t_b64_rank{rank}.json").stat().st_size > 0
-        assert (tmp_path / f"ring_t_b64_rank{rank}_kernels.txt").exists()
+        assert (tmp_path / f"{stem}_t_b64_rank{rank}.json").stat().st_size > 0
+        assert (tmp_path / f"{stem}_t_b64_rank{rank}_kernels.txt").exists()
 
 
 def test_without_torchrun_says_how():
