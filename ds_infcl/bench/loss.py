@@ -213,7 +213,7 @@ def bench_point(provider, b, c, dtype, modes, args, mm_rate):
             pct_matmul=round(100 * tflops / mm_rate, 1), ideal_ms=round(flops / (mm_rate * 1e12) * 1e3, 3),
             extra_gib=round(extra, 3), note="",
         ))
-    del q, k, scale
+    q = k = scale = None  # (the closures above share these cells: this frees the inputs for the next point)
     torch.cuda.empty_cache()
     return rows
 

@@ -121,7 +121,8 @@ def ring_plot(csv_path: str, png: Optional[str] = None, peak_tflops: float = 989
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("per-GPU batch b")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # (no efficiency lines on one GPU: nothing to label)
+            ax.legend(fontsize=7)
     fig.suptitle(f"{world} x {gpu}, c = {c}, symmetric, forward + backward")
     return _finish(fig, plt, png)
 

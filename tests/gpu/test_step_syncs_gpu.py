@@ -61,14 +61,16 @@ def _syncs(num_chunks: int, copy_stream: bool) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return sum("synchronizing" in str(w.message) for w in caught)
+    # (torch's one-time notice that the sync debug mode is a prototype names "synchronizing
+    # operations" too: it is not a sync)
+    return sum("synchronizing" in str(w.message) and "prototype" not in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("copy_stream", [True, False])
 def test_syncs_do_not_grow_with_the_chunks(copy_stream):
-    # The first counted step of a process sees one more synchronization than every later one (on an
-    # H200, torch 2.11: 4 then 3, with either chunk count first), a once-per-process cost that a
-    # warm-up step of the same model does not absorb; count after one discarded measurement.
+    # The first counted step of a process saw one more "synchronizing" warning than every later one
+    # (on an H200, torch 2.11: 4 then 3, with either chunk count first): most likely torch's one-time
+    # prototype notice, no longer counted; one discarded measurement still comes first.
     _syncs(4, copy_stream)
     few, many = _syncs(2, copy_stream), _syncs(8, copy_stream)
     print(f"copy_stream={copy_stream}: {few} synchronizing operations with 2 chunks, {many} with 8")
