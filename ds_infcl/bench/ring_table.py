@@ -14,7 +14,7 @@ FIELDS = ["gpu", "date", "world", "impl", "b", "global_batch", "c", "dtype", "ba
 
 def _backend_label(impl: str, backend: str) -> str:
     """The CSV's ``backend`` column: ours, OpenCLIP's loss, or the torch baselines."""
-    if impl.startswith("infcl") or impl in ("siglip", "siglip_ring", "siglip_gather", "siglip_checked"):
+    if impl.startswith("infcl") or impl.removesuffix("_checked") in ("siglip", "siglip_ring", "siglip_gather"):
         return backend
     if impl == "openclip":
         return "open_clip ClipLoss (local, gather_with_grad)"
