@@ -5,7 +5,8 @@ rank waits, or where the GPU idles in a call.
 
 Every rank times ``--reps`` calls of the symmetric loss (``--loss siglip``: ``siglip_loss``), forward
 + backward (as ``bench.ring`` runs it: bf16 on CUDA, c = ``--dim``, normalized random features,
-``check_finite=False``; ``--checked``: the default call, with its input check) with CUDA
+``check_finite=False``; ``--check default``: the default call, with its input check read before it
+returns; ``--check queued``: the check computed and left unread, as the trainer queues it) with CUDA
 events and prints its own list of milliseconds per call (``bench.ring`` reports the slowest rank's
 median only). Then it profiles three more calls with ``torch.profiler`` and writes, per rank, a
 Chrome trace (``<loss>_<tag>_b<B>_rank<r>.json``) and a text timeline (``..._kernels.txt``): every
@@ -30,6 +31,7 @@ and the torch backend (timings only, no kernel timeline).
 import argparse
 import bisect
 import collections
+import contextlib
 import json
 import os
 import time
@@ -122,8 +124,10 @@ def main(argv=None) -> int:
                    help="DS_INFCL_ALGORITHM for these calls")
     p.add_argument("--loss", choices=["infonce", "siglip"], default="infonce",
                    help="contrastive_loss (symmetric InfoNCE) or siglip_loss (with SigLIP's bias)")
-    p.add_argument("--checked", action="store_true",
-                   help="the default call: check_finite=True (the input check), not check_finite=False")
+    p.add_argument("--check", choices=["off", "default", "queued"], default="off",
+                   help="the input check: off (check_finite=False), default (the default call: computed, "
+                        "copied and read before the call returns) or queued (computed and left unread, as the "
+                        "trainer queues it inside deferred_value_checks)")
     p.add_argument("--tag", default="run", help="names the output files and prefixes every line")
     p.add_argument("--out", default="runs/ring_trace")
     p.add_argument("--warmup-seconds", type=float, default=0.5,
@@ -163,13 +167,17 @@ def main(argv=None) -> int:
     scale = torch.tensor(10.0 if siglip else 14.3, device=device, requires_grad=True)
     bias = torch.tensor(-10.0, device=device, requires_grad=True)
     backend = "auto" if cuda else "torch"
-    checks = {} if args.checked else {"check_finite": False}
+    from ds_infcl.ops.validation import deferred_value_checks
+
+    checks = {"check_finite": False} if args.check == "off" else {}
+    queued = deferred_value_checks if args.check == "queued" else contextlib.nullcontext
 
     def call():
-        if siglip:
-            loss = siglip_loss(q, k, scale, bias, backend=backend, **checks)
-        else:
-            loss = contrastive_loss(q, k, scale, symmetric=True, impl="infcl", backend=backend, **checks)
+        with queued():
+            if siglip:
+                loss = siglip_loss(q, k, scale, bias, backend=backend, **checks)
+            else:
+                loss = contrastive_loss(q, k, scale, symmetric=True, impl="infcl", backend=backend, **checks)
         loss.backward()
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)

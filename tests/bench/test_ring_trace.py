@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "ds_infcl", "bench", "ring_trace.py")
 
 
-@pytest.mark.parametrize("loss", [["--algorithm", "ring"], ["--loss", "siglip", "--checked"]], ids=["infonce", "siglip"])
+@pytest.mark.parametrize("loss", [["--algorithm", "ring"], ["--loss", "siglip", "--check", "default"]], ids=["infonce", "siglip"])
 def test_two_ranks_write_their_traces(tmp_path, loss):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT,
