@@ -14,7 +14,6 @@ graph caches and settings (read from the same environment).
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import io
 import os
@@ -25,6 +24,8 @@ import sys
 import tarfile
 import tempfile
 from types import ModuleType
+
+from ds_infcl.train.dist import at_exit
 
 __all__ = ["PACKAGE", "load_base", "rename_imports"]
 
@@ -79,7 +80,7 @@ def load_base(spec: str) -> ModuleType:
                              f"one base version per process (asked for {spec!r})")
         return loaded
     tmp = tempfile.mkdtemp(prefix="ds_infcl_base_")
-    atexit.register(shutil.rmtree, tmp, True)  # (read by lazy imports until then)
+    at_exit(shutil.rmtree, tmp, True)  # at the process's end (read by lazy imports until then)
     if os.path.isdir(spec):
         src = os.path.join(spec, "ds_infcl")
         if not os.path.isfile(os.path.join(src, "__init__.py")):

@@ -19,8 +19,8 @@ from ds_infcl.train.dist import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, *extra, impls=("infcl", "infcl_ring", "local")):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+def _run(tmp_path, *extra, impls=("infcl", "infcl_ring", "local"), env=None):
+    env = dict(env or os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "ds_infcl.bench.ring", "--cpu-smoke", "--impls", *impls,
            "--batch", "12", "--dim", "8", "--warmup-seconds", "0", "--seconds-per-point", "0.05",
@@ -97,8 +97,12 @@ def test_ring_bench_times_another_version_in_the_same_rounds(tmp_path):
     base = tmp_path / "before"
     shutil.copytree(os.path.join(REPO, "ds_infcl"), base / "ds_infcl",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    rows, saved = _run(tmp_path, "--paired", "1", "--paired-calls", "2", "--base", str(base), impls=("infcl",))
+    scratch = tmp_path / "tmp"  # the processes' TMPDIR: where each extracts the base version
+    scratch.mkdir()
+    rows, saved = _run(tmp_path, "--paired", "1", "--paired-calls", "2", "--base", str(base), impls=("infcl",),
+                       env=dict(os.environ, TMPDIR=str(scratch)))
     assert set(rows) == {"infcl", "infcl@before"}, rows
+    assert not list(scratch.glob("ds_infcl_base_*")), "the extracted base trees outlived their processes"
     assert [r["impl"] for r in saved] == ["infcl", "infcl@before"]
     for impl in rows:
         assert rows[impl][5].endswith("(paired, 1 x 2 calls)") and float(rows[impl][3]) > 0, rows[impl]
