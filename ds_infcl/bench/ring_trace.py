@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     from ds_infcl import settings
     from ds_infcl.bench.ring import MIN_WARMUP_STEPS, warm_up_steps
     from ds_infcl.loss import contrastive_loss, siglip_loss
+    from ds_infcl.ops.validation import deferred_value_checks
 
     settings.put("DS_INFCL_ALGORITHM", args.algorithm)  # for every call of this run
     cuda = torch.cuda.is_available()
@@ -167,8 +168,6 @@ def main(argv=None) -> int:
     scale = torch.tensor(10.0 if siglip else 14.3, device=device, requires_grad=True)
     bias = torch.tensor(-10.0, device=device, requires_grad=True)
     backend = "auto" if cuda else "torch"
-    from ds_infcl.ops.validation import deferred_value_checks
-
     checks = {"check_finite": False} if args.check == "off" else {}
     queued = deferred_value_checks if args.check == "queued" else contextlib.nullcontext
 
