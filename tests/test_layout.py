@@ -36,6 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ds_infcl"
 _TOP = ("ds_infcl.tasks", "ds_infcl.train", "ds_infcl.demos", "ds_infcl.bench")
 FORBIDDEN = {
     "errors": ("ds_infcl", "torch", "deepspeed"),
+    # The exit cleanups (ds_infcl.exits.at_exit): every layer may register one.
+    "exits": ("ds_infcl", "torch", "deepspeed"),
     # The declared environment settings: every layer imports it, so it imports none of them.
     "settings": ("ds_infcl", "torch.distributed", "deepspeed"),
     "ops": ("torch.distributed", "deepspeed", "ds_infcl.ring", "ds_infcl.loss", "ds_infcl.adapters",

@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from types import ModuleType
 
-from ds_infcl.train.dist import at_exit
+from ds_infcl.exits import at_exit
 
 __all__ = ["PACKAGE", "load_base", "rename_imports"]
 

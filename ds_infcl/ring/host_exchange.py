@@ -36,7 +36,6 @@ the states of groups no longer registered with torch.distributed are released th
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
 import secrets
@@ -50,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ds_infcl import settings
+from ds_infcl.exits import at_exit
 from ds_infcl.ring.groups import PerGroup, group_rank, group_size
 
 __all__ = ["GroupState", "HostChannel", "MODE", "TIMEOUT_S", "group_timeout_s", "host_hash", "release_destroyed_groups",
@@ -167,13 +167,12 @@ def _unlink(path: str) -> None:
 
 def release_names() -> None:
     """Remove the names of the files this process created and still names (a group that made one
-    exchange only). Runs at exit; ``ds_infcl.train.dist.exit_process``, which skips the exit
-    handlers, calls it too."""
+    exchange only). Runs when the process ends (``ds_infcl.exits.at_exit``)."""
     for path in list(_NAMES):
         _unlink(path)
 
 
-atexit.register(release_names)
+at_exit(release_names)
 
 
 class GroupState:

@@ -7,7 +7,6 @@ minute) that training never uses, so ``skip_cpu_shm_op_build`` replaces its buil
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import socket
@@ -15,6 +14,8 @@ import sys
 from typing import Optional
 
 import torch
+
+from ds_infcl.exits import run_exit_calls
 
 __all__ = [
     "accelerator_name",
@@ -118,50 +119,23 @@ def local_device() -> torch.device:
     return torch.device(acc.device_name(local_rank))
 
 
-# The calls of at_exit, which exit_process runs itself (os._exit skips atexit).
-_EXIT_CALLS: list = []
-
-
-def at_exit(fn, *args) -> None:
-    """Run ``fn(*args)`` once when the process ends: at interpreter exit, or in
-    :func:`exit_process`, which skips interpreter finalization and with it ``atexit``. For the
-    cleanup of what a process leaves behind (``ds_infcl.bench.base_tree``'s extracted tree)."""
-    done = []
-
-    def once():
-        if not done:
-            done.append(True)
-            fn(*args)
-
-    once.what = getattr(fn, "__qualname__", repr(fn))
-    _EXIT_CALLS.append(once)
-    atexit.register(once)
-
-
 def exit_process(code: int) -> None:
     """Leave the process now with ``code``, after flushing logging and stdio, without interpreter
     finalization.
 
     For process entry points only (``python -m ds_infcl.train``, ``ds-infcl-train``, the
-    distributed benchmarks, spawned workers), after :func:`shutdown`. The one exit handler of ours
-    that matters is run first: a layout file in ``/dev/shm`` whose name is still there
-    (``ds_infcl.ring.host_exchange.release_names``). On 2-rank CPU runs a rank has still aborted
-    now and then at interpreter exit ("terminate called without an active exception", exit code
-    -6, after its last checkpoint was written), so a finished run reported failure: gloo's worker
-    threads can still own communication work objects (ZeRO-3 keeps async handles in its
-    parameters) when Python's finalization destroys them. Everything a run writes is closed before
-    this point. The calls of :func:`at_exit` run first, last registered first.
+    distributed benchmarks, spawned workers), after :func:`shutdown`. Our exit cleanups
+    (``ds_infcl.exits.at_exit``: a layout file in ``/dev/shm`` whose name is still there, an
+    extracted tree) run first, since ``os._exit`` skips ``atexit``. On 2-rank CPU runs a rank has
+    still aborted now and then at interpreter exit ("terminate called without an active
+    exception", exit code -6, after its last checkpoint was written), so a finished run reported
+    failure: gloo's worker threads can still own communication work objects (ZeRO-3 keeps async
+    handles in its parameters) when Python's finalization destroys them. Everything a run writes
+    is closed before this point.
     """
     import logging
 
-    for call in reversed(_EXIT_CALLS):
-        try:
-            call()
-        except Exception as err:  # (an exit cleanup must not keep the process from exiting with its code)
-            print(f"exit cleanup {call.what} failed: {err!r}", file=sys.stderr)
-    layout_files = sys.modules.get("ds_infcl.ring.host_exchange")
-    if layout_files is not None:  # its exit handler does not run after os._exit
-        layout_files.release_names()
+    run_exit_calls()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

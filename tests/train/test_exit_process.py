@@ -1,4 +1,4 @@
-"""``exit_process`` runs the cleanups of ``at_exit`` (``os._exit`` skips ``atexit``), each once, last
+"""``exit_process`` runs the cleanups of ``ds_infcl.exits.at_exit`` (``os._exit`` skips ``atexit``), each once, last
 registered first, keeps its exit code when one of them fails, and a plain interpreter exit runs
 them too."""
 
@@ -10,7 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = """
 import sys
-from ds_infcl.train.dist import at_exit, exit_process
+from ds_infcl.exits import at_exit
+from ds_infcl.train.dist import exit_process
 
 log = open(sys.argv[1], "a")
 def note(what):
