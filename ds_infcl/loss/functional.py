@@ -175,16 +175,19 @@ def contrastive_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
     in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
+    # On one device, with no labels to check, so does the eager call: in a CUDA graph of its own
+    # where one replays (ds_infcl.ops.validation.graphed_value_check).
+    op_checks = in_op or (world == 1 and impl == "infcl" and check_finite and labels is None)
     # On one device the value checks are read once the loss's kernels are queued (no wait first).
     with checks_read_after_launch(world == 1 and not in_op):
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             fn = get_loss_impl(impl)
             check_tile_size(tile_size)
             check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
-                         values=not in_op)
+                         values=not op_checks)
         labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
         scale_t = _as_scale_tensor(scale, query.device)
-        if in_op:
+        if op_checks:
             return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
                                 tile_size=tile_size, validate=True, check_finite=check_finite)
         return fn(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,

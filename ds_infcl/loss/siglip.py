@@ -319,6 +319,10 @@ def siglip_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the op checks the values itself (in the graph).
     in_op = world == 1 and torch.compiler.is_compiling()
+    # On one device, with no labels to check, so does the eager call: in a CUDA graph of its own
+    # where one replays (ds_infcl.ops.validation.graphed_value_check).
+    checks_labels = labels is not None and query_ids is None
+    op_checks = in_op or (world == 1 and check_finite and not checks_labels)
     # On one device the value checks are read once the kernels are queued (no wait first).
     with checks_read_after_launch(world == 1 and not in_op):
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
@@ -326,7 +330,7 @@ def siglip_loss(
                 raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
             check_tile_size(tile_size)
             check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
-                         allow_empty=world > 1, bias=bias, values=not in_op)
+                         allow_empty=world > 1, bias=bias, values=not op_checks)
             _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
             backend = resolve_backend(backend, query.device)
         device = query.device
@@ -335,8 +339,7 @@ def siglip_loss(
             qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
                                   key_ids=key_ids)
             return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
-                                     validate=in_op, check_finite=check_finite,
-                                     check_labels=labels is not None and query_ids is None)
+                                     validate=op_checks, check_finite=check_finite, check_labels=checks_labels)
     group = resolve_group(group)
     with_ids = query_ids is not None
     layout = exchange_layout(query, key, group, protocol="siglip", flags=int(with_ids), settings=algorithm_settings())

@@ -31,31 +31,39 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.infonce_graph import graph_eligible, graph_for
+from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, outputs_intact, run_graphed
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 from ds_infcl.ops.options import LSEOptions
-from ds_infcl.ops.validation import check_values
+from ds_infcl.ops.validation import check_values, graphed_value_check
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
 
 
 class InfoNCEFunction(torch.autograd.Function):
     """``L = InfoNCE(query, key, scale, labels)`` (0-dim float32); saves only the inputs, the two
-    LSE vectors and the scale: O((b + m) c)."""
+    LSE vectors and the scale: O((b + m) c).
+
+    Its forward and backward are each one ``run_graphed`` computation (``_passes``), replayed
+    from a CUDA graph where a small shape repeats (``ds_infcl.ops.infonce_graph``; bitwise the
+    eager result either way). The backward reads the forward graph's copies of the inputs and its
+    LSE vectors in place while they still hold this call's (``inputs_of``, ``outputs_intact``).
+    With ``check``, the value checks without labels (finite features and scale) run first, from a
+    graph of their own whose copies of the inputs the forward reads (``graphed_value_check``)."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, labels, options: LSEOptions):
+    def forward(ctx, query, key, scale, labels, options: LSEOptions, check: bool = False):
         s = scale.detach()
-        graphed = graph_for(query, key, s, labels, options.compute_col, options.backend, options.tile_size,
-                            *_passes(options))
-        ctx.graph = None
-        if graphed is not None:  # a repeated small shape: replayed from CUDA graphs
-            loss, row, col, ctx.graph_token = graphed.forward(query, key, s, labels)
-            ctx.graph = graphed
-        else:
-            loss, row, col = infonce_forward(query, key, s, labels, options)
-        if col is None:
-            col = row.new_empty((0,))
+        logits = query.shape[0] * key.shape[0]
+        args = (query, key, s)
+        if check:
+            args = graphed_value_check(query, key, s, None, backend=options.backend, logits=logits)[:3]
+        forward_fn, _ = _passes(options)
+        (loss, row, col), ctx.token = run_graphed("infonce_forward", forward_fn, args + (labels,), options=(options,),
+                                                  logits=logits, backend=options.backend, token=True,
+                                                  static=(0, 1, 2) if check else (), borrow=(1, 2))
+        ctx.stats = (row, col)  # the graph's buffers (while outputs_intact) or the eager outputs
+        if ctx.token is not None:  # what the backward reads once a later replay overwrote them
+            row, col = row.clone(), None if col is None else col.clone()
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
         ctx.options = options
@@ -66,13 +74,16 @@ class InfoNCEFunction(torch.autograd.Function):
         refuse_double_backward("the fused InfoNCE")
         query, key, labels, row, col, s = ctx.saved_tensors
         options = ctx.options
-        col = col if options.compute_col else None
-        if ctx.graph is not None:
-            dq, dk, ds = ctx.graph.backward(ctx.graph_token, query, key, s, labels, row, col, grad)
-        else:
-            dq, dk, ds = _infonce_backward(query, key, s, labels, row, col, grad, options)
+        if outputs_intact(ctx.token):
+            row, col = ctx.stats
+        inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
+        args = tuple((query, key, s, labels) if inputs is None else inputs) + (row, col, grad)
+        _, backward_fn = _passes(options)
+        dq, dk, ds = run_graphed("infonce_backward", backward_fn, args, options=(options,),
+                                 logits=query.shape[0] * key.shape[0], backend=options.backend,
+                                 static=(0, 1, 2, 3, 4, 5))
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
-        return dq, dk, dscale, None, None
+        return dq, dk, dscale, None, None, None
 
 
 def _infonce_backward(query, key, s, labels, row, col, grad, options: LSEOptions):
@@ -220,9 +231,10 @@ def infonce_loss(
     """
     backend = resolve_backend(backend, query.device)
     if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
-        if validate:
+        graph_check = validate and check_finite and labels is None
+        if validate and not graph_check:  # (labels index the keys: checked, and read, before)
             check_values(query, key, scale, labels, key.shape[0], check_finite)
-        return InfoNCEFunction.apply(query, key, scale, labels, _options(symmetric, backend, tile_size))
+        return InfoNCEFunction.apply(query, key, scale, labels, _options(symmetric, backend, tile_size), graph_check)
     loss, _, _ = _infonce_forward_op(query, key, scale, labels, symmetric, backend, tile_size, validate,
                                      check_finite)
     return loss

@@ -1,14 +1,17 @@
-"""CUDA graphs for the single-device fused InfoNCE at small sizes (issue 17).
+"""CUDA graphs for the single-device fused losses at small sizes (issue 17).
 
 Below ~10k rows an isolated call of the fused loss is bound by the host, not the GPU: at
 b = m = 8,192, c = 512 the GPU works 0.71 ms per forward + backward (H100, docs/kernels.md) while
-Python, autograd and ~10 Triton launches take the host 1.2-1.4 ms. Where a shape repeats, the
-forward and the backward of ``ds_infcl.ops.infonce.InfoNCEFunction`` are each replayed from one CUDA
-graph instead: the host then issues a few copies and one replay per pass. The distributed gather
-path (``ds_infcl.loss.ring_fused``) replays its local kernels the same way, between its
-collectives (``run_graphed``), which stay outside the graphs. So do SigLIP's single-device call
-(``ds_infcl.ops.siglip.SigLIPFunction``: its forward and its backward, two graphs per shape) and
-its gather path (``ds_infcl.loss.siglip``): the rules, settings and cache below are theirs too.
+Python, autograd and ~10 Triton launches take the host 1.2-1.4 ms. Where a shape repeats, each pass
+of the call is replayed from one CUDA graph instead (``run_graphed``): the host then issues a few
+copies and one replay per pass. The single-device InfoNCE
+(``ds_infcl.ops.infonce.InfoNCEFunction``) and SigLIP (``ds_infcl.ops.siglip.SigLIPFunction``)
+each take up to three graphs per shape: the input checks of the default call
+(``ds_infcl.ops.validation.graphed_value_check``), the forward and the backward, each reading the
+previous one's copies of the inputs in place. The distributed gather paths
+(``ds_infcl.loss.ring_fused``, ``ds_infcl.loss.siglip``) replay their local kernels the same way,
+between their collectives, which stay outside the graphs: the rules, settings and cache below
+are theirs too.
 
 How:
 
@@ -29,12 +32,12 @@ How:
   caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream),
   so calls may interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
-  The gather path's graphs read one another's copies of their inputs in place while these hold
+  A pass's graph reads the previous pass's copies of the inputs in place while these hold
   the call's (``inputs_of``; a version per graph, bumped by its replays and by any copy into its
   buffers, tells when they may not).
-- At most ``MAX_GRAPHS`` graphs are kept (6: the single-device loss takes one per shape, the gather
-  path up to five: its forward (two with the early own block), the statistics' merge, and its
-  backward's two blocks), for the first shapes that repeat; later shapes run eagerly (capturing again and again
+- At most ``MAX_GRAPHS`` graphs are kept (12: the single-device loss takes up to three per shape,
+  the gather path up to five: its forward (two with the early own block), the statistics' merge,
+  and its backward's two blocks), for the first shapes that repeat; later shapes run eagerly (capturing again and again
   would cost more than it saves). Each holds its static inputs and outputs and its memory pool:
   0.05 GiB more than the eager peak at 8,192 x 8,192, c = 512. ``clear_graphs()`` frees them.
 - Replays run on the current stream, like the eager kernels. Calls of one shape from several
@@ -45,21 +48,21 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
 from ds_infcl import settings
 from ds_infcl.ops.precision import precision_key
 
-__all__ = ["GraphedInfoNCE", "GraphedCall", "graph_eligible", "graph_for", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
+__all__ = ["GraphedCall", "graph_eligible", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
 CUDA_GRAPH = settings.get("DS_INFCL_CUDA_GRAPH")  # checked at import
 MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_MAX_LOGITS")
 GATHER_MAX_LOGITS = settings.get("DS_INFCL_CUDA_GRAPH_GATHER_MAX_LOGITS")
-MAX_GRAPHS = 6
+MAX_GRAPHS = 12
 
 _SEEN: "collections.Counter" = collections.Counter()
 _GRAPHS: dict = {}
@@ -92,75 +95,6 @@ def _warm_up(device: torch.device, run) -> None:
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream(device).wait_stream(side)
-
-
-def _graph_key(query, key, scale, labels, symmetric, tile_size):
-    # (precision_key: a graph of TF32 kernels must not replay once TF32 is turned off, nor the reverse)
-    return (tuple(query.shape), tuple(key.shape), precision_key(query.dtype), key.dtype, query.device,
-            tuple(scale.shape), scale.dtype, None if labels is None else tuple(labels.shape), bool(symmetric),
-            tile_size)
-
-
-ForwardFn = Callable[..., Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
-BackwardFn = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-class GraphedInfoNCE:
-    """The forward and the backward of one shape, each captured in a CUDA graph on static buffers.
-
-    ``forward_fn(q, k, s, labels) -> (loss, row, col)`` and
-    ``backward_fn(q, k, s, labels, row, col, grad) -> (dq, dk, dscale)`` are the eager passes.
-    """
-
-    def __init__(self, query, key, scale, labels, forward_fn: ForwardFn, backward_fn: BackwardFn):
-        dev = query.device
-        self.q, self.k, self.s = query.detach().clone(), key.detach().clone(), scale.detach().clone()
-        self.labels = None if labels is None else labels.clone()
-        self.grad = torch.ones((), device=dev, dtype=torch.float32)
-        self.replays = 0  # replays of either graph: tells a backward whether its inputs are still here
-
-        def both_passes():
-            _, row, col = forward_fn(self.q, self.k, self.s, self.labels)
-            backward_fn(self.q, self.k, self.s, self.labels, row, col, self.grad)
-
-        _warm_up(dev, both_passes)
-        self.fwd = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA calls (a loader's pinned memory) stay legal meanwhile.
-        with torch.cuda.graph(self.fwd, capture_error_mode="thread_local"):
-            self.loss, self.row, self.col = forward_fn(self.q, self.k, self.s, self.labels)
-        # The backward reads the statistics from the forward's output buffers (refilled from the
-        # saved ones when another replay ran in between) and shares the forward's memory pool.
-        self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd, pool=self.fwd.pool(), capture_error_mode="thread_local"):
-            self.dq, self.dk, self.ds = backward_fn(self.q, self.k, self.s, self.labels, self.row, self.col,
-                                                    self.grad)
-
-    def _load(self, query, key, scale, labels) -> None:
-        self.q.copy_(query)
-        self.k.copy_(key)
-        self.s.copy_(scale)
-        if labels is not None:
-            self.labels.copy_(labels)
-
-    def forward(self, query, key, scale, labels):
-        """``(loss, row, col, token)``: fresh tensors, and the token a backward passes back."""
-        self._load(query, key, scale, labels)
-        self.fwd.replay()
-        self.replays += 1
-        col = None if self.col is None else self.col.clone()
-        return self.loss.clone(), self.row.clone(), col, self.replays
-
-    def backward(self, token, query, key, scale, labels, row, col, grad):
-        """``(dq, dk, dscale)`` as fresh tensors."""
-        if token != self.replays:  # another replay overwrote the inputs or the statistics
-            self._load(query, key, scale, labels)
-            self.row.copy_(row)
-            if self.col is not None:
-                self.col.copy_(col)
-        self.grad.copy_(grad)
-        self.bwd.replay()
-        self.replays += 1
-        return self.dq.clone(), self.dk.clone(), self.ds.clone()
 
 
 def _lookup(k, build, what: Callable[[], str]):
@@ -199,16 +133,6 @@ def graph_eligible(query: torch.Tensor, key: torch.Tensor, backend: str) -> bool
     """Whether a single-device InfoNCE call of these inputs may replay from a CUDA graph (never
     while torch.compile traces: the compiled caller then runs the custom ops)."""
     return _eligible(query, backend, query.shape[0] * key.shape[0])
-
-
-def graph_for(query, key, scale, labels, symmetric, backend, tile_size, forward_fn: ForwardFn,
-              backward_fn: BackwardFn) -> Optional[GraphedInfoNCE]:
-    """The graphs of this call's shape, captured on its second occurrence; ``None``: run eagerly."""
-    if not _eligible(query, backend, query.shape[0] * key.shape[0]):
-        return None
-    k = _graph_key(query, key, scale, labels, symmetric, tile_size)
-    return _lookup(k, lambda: GraphedInfoNCE(query, key, scale, labels, forward_fn, backward_fn),
-                   lambda: f"the InfoNCE of shape {k[:2]}")
 
 
 class GraphedCall:

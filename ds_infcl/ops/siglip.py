@@ -42,7 +42,7 @@ from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, run_graphed
 from ds_infcl.ops.lse import refuse_double_backward, resolve_backend
 from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
-from ds_infcl.ops.validation import check_values
+from ds_infcl.ops.validation import check_values, graphed_value_check
 
 __all__ = [
     "siglip_ids",
@@ -275,8 +275,9 @@ def _siglip_forward_op(
 ) -> torch.Tensor:
     """0-dim float32 SigLIP loss of one device, ``siglip_forward(...) / b``. ``validate``: first
     run ``check_values`` (a finite scale and bias, with ``check_finite`` finite features, and with
-    ``check_labels`` the query ids, which are then labels, in ``[0, m)``), here where a compiled
-    caller cannot read values."""
+    ``check_labels`` the query ids, which are then labels, in ``[0, m)``) here: where a compiled
+    caller cannot read values, and for ``siglip_loss``'s one-device call without labels to check
+    (read or queued as its caller's block says, ``ds_infcl.ops.validation``)."""
     if validate:
         check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
     total = siglip_forward(query, key, scale, bias, query_ids, key_ids, backend=backend, tile_size=tile_size)
@@ -367,16 +368,22 @@ class SigLIPFunction(torch.autograd.Function):
     bitwise the eager result either way). What ``siglip_loss_local`` runs where a graph may replay
     (an eager Triton call on the current CUDA device: ``graph_eligible``); the custom ops
     otherwise. The backward reads the forward graph's copies of the inputs in place while they
-    still hold this call's (``inputs_of``). Saves the inputs: ``O((b + m) c)``."""
+    still hold this call's (``inputs_of``). With ``check``, the value checks without labels (finite
+    features, scale and bias) run first, replayed from a graph of their own, and the forward reads
+    that graph's copies of the inputs in place (``graphed_value_check``). Saves the inputs:
+    ``O((b + m) c)``."""
 
     @staticmethod
-    def forward(ctx, query, key, scale, bias, query_ids, key_ids, backend, tile_size):
+    def forward(ctx, query, key, scale, bias, query_ids, key_ids, backend, tile_size, check=False):
         s, t = scale.detach(), bias.detach()
         b = query.shape[0]
         forward_fn, _ = siglip_passes(backend, tile_size, query.dtype, b)
-        (loss,), ctx.token = run_graphed("siglip_forward", forward_fn, (query, key, s, t, query_ids, key_ids),
+        args = (query, key, s, t)
+        if check:  # the value checks in their own graph, whose copies of the inputs the forward reads
+            args = graphed_value_check(query, key, s, t, backend=backend, logits=b * key.shape[0])
+        (loss,), ctx.token = run_graphed("siglip_forward", forward_fn, args + (query_ids, key_ids),
                                          options=(tile_size,), logits=b * key.shape[0], backend=backend,
-                                         token=True)
+                                         token=True, static=(0, 1, 2, 3) if check else ())
         ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
         ctx.options = (backend, tile_size, scale.shape, bias.shape)
         return loss
@@ -394,7 +401,7 @@ class SigLIPFunction(torch.autograd.Function):
                                      logits=query.shape[0] * key.shape[0], backend=backend,
                                      static=(0, 1, 2, 3, 4, 5))
         return (dq, dk, ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
-                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None, None, None, None, None)
+                dt.reshape(t_shape) if ctx.needs_input_grad[3] else None, None, None, None, None, None)
 
 
 def siglip_loss_local(
@@ -419,12 +426,15 @@ def siglip_loss_local(
     ``[0, m)``), which then run inside the forward op.
 
     An eager call that a CUDA graph may replay (``graph_eligible``) runs ``SigLIPFunction``
-    instead (the value checks, if asked, before it)."""
+    instead. Its value checks, if asked, run before it; without labels to check, they run in
+    ``SigLIPFunction``, in a CUDA graph of their own where the shape repeats
+    (``ds_infcl.ops.validation.graphed_value_check``: a replay instead of a handful of launches)."""
     backend = resolve_backend(backend, query.device)
     query, key = query.contiguous(), key.contiguous()
     if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
-        if validate:
+        graph_check = validate and check_finite and not check_labels
+        if validate and not graph_check:  # (a check of labels is read at once: check_values)
             check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
-        return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, backend, tile_size)
+        return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, backend, tile_size, graph_check)
     return _siglip_forward_op(query, key, scale, bias, query_ids, key_ids, backend,
                               tile_size, validate, check_finite, check_labels)

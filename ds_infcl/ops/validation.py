@@ -15,8 +15,11 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "check_features", "check_labels",
-           "check_label_bounds", "check_scale", "check_tile_size", "deferred_value_checks", "checks_read_after_launch"]
+from ds_infcl.ops.infonce_graph import inputs_of, run_graphed
+
+__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "graphed_value_check", "submit_values",
+           "check_features", "check_labels", "check_label_bounds", "check_scale", "check_tile_size",
+           "deferred_value_checks", "checks_read_after_launch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -120,46 +123,84 @@ def check_values(
     at once unless the block's caller vouches for them (``labels_checked``): a label out of range
     would index past the keys before a queued check was read.
     """
-    segments, values = _value_vector(query, key, scale, labels, check_finite, bias)
-    if values is None:
+    segments = _segments(query, key, scale, labels, check_finite, bias)
+    if not segments:
         return
-    context = _Context(_rows(query), _rows(key), scale, bias, num_keys)
+    submit_values(segments, _value_vector(segments, query, key, scale, labels, bias),
+                  _Context(_rows(query), _rows(key), scale, bias, num_keys), reads_labels=labels is not None)
+
+
+def submit_values(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False) -> None:
+    """The host's side of :func:`check_values`, for the value vector ``values`` of ``segments``
+    (however it was computed, e.g. in a CUDA graph by :func:`graphed_value_check`): queued in a
+    :func:`deferred_value_checks` or :func:`checks_read_after_launch` block, else read now."""
     pending = _PENDING.get()
-    if pending is not None and (labels is None or pending.labels_checked):
+    if pending is not None and (not reads_labels or pending.labels_checked):
         pending.add(segments, values, context)
         return
     _raise_for(_read(segments, values.cpu()), context)
+
+
+def graphed_value_check(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                        *, backend: str, logits: int) -> Tuple[Optional[torch.Tensor], ...]:
+    """:func:`check_values` of a call without labels (finite features, scale and bias, all on one
+    CUDA device) where the value vector is computed in a CUDA graph when the shape repeats
+    (``ds_infcl.ops.infonce_graph.run_graphed``, under its rules): one replay instead of a handful
+    of launches, which at small batches cost the host more than the loss's own replays. Read or
+    queued as :func:`check_values` would (:func:`submit_values`).
+
+    Returns ``(query, key, scale, bias)`` to compute the loss from: the graph's copies, which the
+    caller's own graph may read in place (``run_graphed(static=...)``) until the next call of this
+    check, or the arguments themselves when the check ran eagerly."""
+    args = (query, key, scale, bias)
+    segments = _segments(query, key, scale, None, True, bias)
+
+    def value_vector(q, k, s, t):
+        return (_value_vector(segments, q, k, s, None, t),)
+
+    (values,), token = run_graphed("value_check", value_vector, args, options=tuple(segments), logits=logits,
+                                   backend=backend, token=True)
+    submit_values(segments, values, _Context(_rows(query), _rows(key), scale, bias, key.shape[0]))
+    inputs = inputs_of(token)
+    return args if inputs is None else tuple(inputs)
 
 
 # One segment of the vector of _value_vector: (name, length).
 Segments = List[Tuple[str, int]]
 
 
-def _value_vector(query, key, scale, labels, check_finite: bool, bias) -> Tuple[Segments, Optional[torch.Tensor]]:
-    """Everything :func:`check_values` reads, in one float64 vector on the features' device, and its
-    segments: each row's largest ``|value|`` of ``query`` and ``key`` (NaN or Inf exactly where the
-    row holds one: one reduction per tensor), the tensor ``scale`` and ``bias``, the labels' min
-    and max (exact in float64). A handful of kernels and one copy, since at small batches the host's
-    launches are the cost of the call; ``None`` when there is nothing to read."""
+def _segments(query, key, scale, labels, check_finite: bool, bias) -> Segments:
+    """The segments of the vector that :func:`check_values` reads (empty: nothing to read): each
+    row's largest ``|value|`` of ``query`` and ``key`` (with ``check_finite``), the tensor ``scale``
+    and ``bias`` (with ``check_finite``; a CPU tensor always), the labels' min and max."""
     segments: Segments = []
-    parts: List[torch.Tensor] = []
     if check_finite:
-        for name, t in (("query", query), ("key", key)):
-            if t is not None and t.numel():
-                segments.append((name, t.shape[0]))
-                parts.append(torch.linalg.vector_norm(t.detach(), ord=float("inf"), dim=1))
+        segments += [(name, t.shape[0]) for name, t in (("query", query), ("key", key)) if t is not None and t.numel()]
     for name, value in (("scale", scale), ("bias", bias)):
         if torch.is_tensor(value) and (check_finite or value.device.type == "cpu"):
             segments.append((name, value.numel()))
-            parts.append(value.detach().reshape(-1))
     if labels is not None and labels.numel():
         segments += [("labels_min", 1), ("labels_max", 1)]
+    return segments
+
+
+def _value_vector(segments: Segments, query, key, scale, labels, bias) -> torch.Tensor:
+    """The float64 vector of ``segments`` on the features' device: a row's largest ``|value|`` is
+    NaN or Inf exactly where the row holds one (one reduction per tensor), the labels' bounds are
+    exact in float64. A handful of kernels and one copy, since at small batches the host's launches
+    are the cost of the call; no host read (what a CUDA graph may capture)."""
+    tensors = {"query": query, "key": key, "scale": scale, "bias": bias}
+    parts: List[torch.Tensor] = []
+    for name, _ in segments:
+        if name in ("query", "key"):
+            parts.append(torch.linalg.vector_norm(tensors[name].detach(), ord=float("inf"), dim=1))
+        elif name in ("scale", "bias"):
+            parts.append(tensors[name].detach().reshape(-1))
+    if segments[-1][0] == "labels_max":
         parts += [bound.reshape(1) for bound in torch.aminmax(labels)]
-    if not parts:
-        return segments, None
     device = parts[0].device
     values = torch.empty(sum(n for _, n in segments), dtype=torch.float64, device=device)
-    return segments, torch.cat([p.to(device) for p in parts], out=values)
+    return torch.cat([p.to(device) for p in parts], out=values)
 
 
 def _finite_part(segments: Segments) -> int:

@@ -4,7 +4,8 @@ the eager call on the same inputs (skipped without CUDA).
     TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_infonce_graph_gpu.py
 
 Each case runs three calls of one shape with new inputs each (the first eager, the second
-captures, the third replays) and compares loss and gradients with the eager call on the same
+captures the forward and the backward, and in the default call without labels the value checks,
+the third replays them) and compares loss and gradients with the eager call on the same
 inputs; calls that interleave (two forwards, then their backwards in either order) too. The
 kernels and tiles are the eager ones, so the results agree to the last bit except where cuBLAS
 schedules a product differently under capture (then a 16-bit gradient moves by an ulp here and
@@ -43,9 +44,9 @@ def _inputs(b, m, c, dtype, labels, seed):
     return q, k, s, lab
 
 
-def _forward(q, k, s, lab, symmetric):
+def _forward(q, k, s, lab, symmetric, check_finite=False):
     q, k, s = (t.clone().requires_grad_() for t in (q, k, s))
-    loss = contrastive_loss(q, k, s, lab, symmetric=symmetric, backend="triton", check_finite=False)
+    loss = contrastive_loss(q, k, s, lab, symmetric=symmetric, backend="triton", check_finite=check_finite)
     return loss, (q, k, s)
 
 
@@ -62,22 +63,31 @@ def _compare(got, want, dtype, what):
     return bitwise
 
 
+@pytest.mark.parametrize("check_finite", [False, True], ids=["unchecked", "default"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{str(c[3])[6:]}-{'sym' if c[4] else 'one'}"
                          f"{'-labels' if c[5] else ''}")
-def test_graph_replay_equals_eager(case, monkeypatch):
+def test_graph_replay_equals_eager(case, check_finite, monkeypatch):
     b, m, c, dtype, symmetric, labels = case
     ig.clear_graphs()
     monkeypatch.setattr(ig, "CUDA_GRAPH", "0")
     eager = [_grads(*_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric)) for seed in range(3)]
     assert not ig._GRAPHS
     monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
-    graphed = [_grads(*_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric)) for seed in range(3)]
-    assert len(ig._GRAPHS) == 1, "the repeated shape was not captured"
-    (entry,) = ig._GRAPHS.values()
-    assert entry.replays == 4  # calls 2 and 3, forward and backward each
+    graphed = [_grads(*_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric, check_finite))
+               for seed in range(3)]
+    graphs = {k[0]: g for k, g in ig._GRAPHS.items()}
+    # the default call's value checks (no labels) have a graph of their own, read by the forward's
+    want = ["infonce_backward", "infonce_forward"] + (["value_check"] if check_finite and not labels else [])
+    assert sorted(graphs) == want, f"the repeated shape was not captured: {sorted(graphs)}"
+    assert all(g.replays == 2 for g in graphs.values())  # calls 2 and 3
+    forward, backward = graphs["infonce_forward"], graphs["infonce_backward"]
+    assert backward.args[0].data_ptr() == forward.args[0].data_ptr()  # read in place
+    assert backward.args[4].data_ptr() == forward.out[1].data_ptr()  # the row LSE, in place
+    if "value_check" in graphs:
+        assert forward.args[1].data_ptr() == graphs["value_check"].args[1].data_ptr()
     bitwise = [_compare(gr, eg, dtype, f"call {i + 1}") for i, (gr, eg) in enumerate(zip(graphed, eager))]
     # Interleaved: two forwards, then the backwards in reverse order (the inputs are reloaded).
-    losses = [_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric) for seed in (1, 2)]
+    losses = [_forward(*_inputs(b, m, c, dtype, labels, seed), symmetric, check_finite) for seed in (1, 2)]
     late = [_grads(*losses[1]), _grads(*losses[0])]
     _compare(late[0], eager[2], dtype, "interleaved 2")
     _compare(late[1], eager[1], dtype, "interleaved 1")
@@ -98,7 +108,7 @@ def test_large_shapes_and_captures_stay_eager(monkeypatch):
     monkeypatch.setattr(ig, "CUDA_GRAPH", "1")
     for _ in range(2):
         _grads(*_forward(q, k, s, None, True))
-    assert len(ig._GRAPHS) == 1
+    assert sorted(k[0] for k in ig._GRAPHS) == ["infonce_backward", "infonce_forward"]
     ig.clear_graphs()
     monkeypatch.setattr(ig, "CUDA_GRAPH", "auto")
     q, k, s, _ = _inputs(256, 256, 64, torch.bfloat16, False, 0)

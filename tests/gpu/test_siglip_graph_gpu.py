@@ -5,7 +5,7 @@ without CUDA).
     TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_siglip_graph_gpu.py
 
 Each case runs three calls of one shape with new inputs each (the first eager, the second
-captures the forward and the backward, the third replays them) and compares the loss and the
+captures the forward and the backward, and without labels the value checks, the third replays them) and compares the loss and the
 four gradients with the eager call (``DS_INFCL_CUDA_GRAPH=0``) on the same inputs; then two
 forwards and their backwards in reverse order (the backward graph then reloads its inputs). The
 kernels are the eager ones: equal to the last bit except where cuBLAS schedules a product
@@ -85,12 +85,18 @@ def test_graph_replay_equals_eager(case, monkeypatch):
         assert type(loss.grad_fn).__name__ == "SigLIPFunctionBackward"
         graphed.append(_grads(loss, leaves))
     tags = sorted(k[0] for k in ig._GRAPHS)
-    assert tags == ["siglip_backward", "siglip_forward"], f"the repeated shape was not captured: {tags}"
-    backward = next(g for k, g in ig._GRAPHS.items() if k[0] == "siglip_backward")
-    forward = next(g for k, g in ig._GRAPHS.items() if k[0] == "siglip_forward")
+    # the value checks (no labels to check) have a graph of their own
+    want = ["siglip_backward", "siglip_forward"] + ([] if positives == "labels" else ["value_check"])
+    assert tags == want, f"the repeated shape was not captured: {tags}"
+    graphs = {k[0]: g for k, g in ig._GRAPHS.items()}
+    backward, forward = graphs["siglip_backward"], graphs["siglip_forward"]
     assert forward.replays == 2 and backward.replays == 2  # calls 2 and 3
-    # the backward read the forward graph's copies of the inputs in place
+    # the backward read the forward graph's copies of the inputs in place, and the forward the
+    # check graph's
     assert backward.args[0].data_ptr() == forward.args[0].data_ptr()
+    if "value_check" in graphs:
+        assert graphs["value_check"].replays == 2
+        assert forward.args[1].data_ptr() == graphs["value_check"].args[1].data_ptr()
     bitwise = [_compare(gr, eg, dtype, f"call {i + 1}") for i, (gr, eg) in enumerate(zip(graphed, eager))]
     # Interleaved: two forwards, then the backwards in reverse order (the inputs are reloaded).
     losses = [_forward(*_inputs(b, m, c, dtype, positives, seed)) for seed in (1, 2)]

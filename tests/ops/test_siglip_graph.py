@@ -84,3 +84,46 @@ def test_function_refuses_double_backward(monkeypatch):
     loss = siglip_loss(q, k, 5.0, -1.0, backend="torch")
     with pytest.raises(RuntimeError, match="SigLIP"):
         torch.autograd.grad(loss, q, create_graph=True)
+
+
+def test_function_checks_values_in_its_own_pass(monkeypatch):
+    """The Function path of the default call (no labels) runs the value checks itself, through
+    ``graphed_value_check`` (a graph of their own on CUDA, eager here), with the errors of the
+    op path, read at the call or queued in ``deferred_value_checks``; a call with labels checks
+    them (and the rest) before, read at once."""
+    from ds_infcl.ops import validation
+
+    monkeypatch.setattr(sg, "graph_eligible", lambda *a: True)
+    calls = []
+    real = sg.graphed_value_check
+    monkeypatch.setattr(sg, "graphed_value_check", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, pos = _inputs(8, 6, 16, torch.float32, "ids")
+    bad = q.clone()
+    bad[[2, 5], 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^query has 2 of 8 rows with NaN or Inf values"):
+        siglip_loss(bad, k, 5.0, -1.0, backend="torch", **pos)
+    bad_key = k.clone()
+    bad_key[1, 0] = float("-inf")
+    with pytest.raises(ValueError, match=r"^key has 1 of 6 rows with NaN or Inf values"):
+        siglip_loss(q[:6], bad_key, 5.0, -1.0, backend="torch")
+    with pytest.raises(ValueError, match=r"^bias must be finite, got nan"):
+        siglip_loss(q, k, 5.0, torch.tensor(float("nan")), backend="torch", **pos)
+    assert len(calls) == 3
+    with validation.deferred_value_checks() as pending:
+        loss = siglip_loss(bad, k, 5.0, -1.0, backend="torch", **pos)  # queued, not read
+    assert len(calls) == 4 and loss.isnan()
+    assert pending.failed().item() == 1
+    with pytest.raises(ValueError, match=r"^query has 2 of 8 rows"):
+        pending.raise_if_failed()
+    # check_finite=False: nothing to check in the Function
+    siglip_loss(bad, k, 5.0, -1.0, backend="torch", check_finite=False, **pos)
+    assert len(calls) == 4
+    # labels: checked before the Function, read at once even in a deferred block
+    with pytest.raises(ValueError, match=r"^labels must lie in \[0, 6\)"):
+        with validation.deferred_value_checks():
+            siglip_loss(q[:4], k, 5.0, -1.0, backend="torch", labels=torch.tensor([0, 1, 6, 2]))
+    with pytest.raises(ValueError, match=r"^query has 2 of 8 rows"):
+        siglip_loss(bad, torch.cat([k, k]), 5.0, -1.0, backend="torch", labels=torch.arange(8))
+    assert len(calls) == 4
+    good = siglip_loss(q, k, 5.0, -1.0, backend="torch", **pos)
+    assert len(calls) == 5 and torch.isfinite(good)
