@@ -57,8 +57,9 @@ class InfoNCEFunction(torch.autograd.Function):
         args = (query, key, s)
         if check:
             args = graphed_value_check(query, key, s, None, backend=options.backend, logits=logits)[:3]
+        # (``check`` in the graphs' keys, as in ds_infcl.ops.siglip.SigLIPFunction)
         forward_fn, _ = _passes(options)
-        (loss, row, col), ctx.token = run_graphed("infonce_forward", forward_fn, args + (labels,), options=(options,),
+        (loss, row, col), ctx.token = run_graphed("infonce_forward", forward_fn, args + (labels,), options=(options, check),
                                                   logits=logits, backend=options.backend, token=True,
                                                   static=(0, 1, 2) if check else (), borrow=(1, 2))
         ctx.stats = (row, col)  # the graph's buffers (while outputs_intact) or the eager outputs
@@ -66,7 +67,7 @@ class InfoNCEFunction(torch.autograd.Function):
             row, col = row.clone(), None if col is None else col.clone()
         ctx.save_for_backward(query, key, labels, row, col, s)
         ctx.scale_shape = scale.shape
-        ctx.options = options
+        ctx.options, ctx.check = options, check
         return loss
 
     @staticmethod
@@ -79,7 +80,7 @@ class InfoNCEFunction(torch.autograd.Function):
         inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
         args = tuple((query, key, s, labels) if inputs is None else inputs) + (row, col, grad)
         _, backward_fn = _passes(options)
-        dq, dk, ds = run_graphed("infonce_backward", backward_fn, args, options=(options,),
+        dq, dk, ds = run_graphed("infonce_backward", backward_fn, args, options=(options, ctx.check),
                                  logits=query.shape[0] * key.shape[0], backend=options.backend,
                                  static=(0, 1, 2, 3, 4, 5))
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None

@@ -381,23 +381,25 @@ class SigLIPFunction(torch.autograd.Function):
         args = (query, key, s, t)
         if check:  # the value checks in their own graph, whose copies of the inputs the forward reads
             args = graphed_value_check(query, key, s, t, backend=backend, logits=b * key.shape[0])
+        # (``check`` in the graphs' keys: calls with and without it in one process keep their own
+        # graphs, instead of copying the inputs from one graph's buffers into the other's.)
         (loss,), ctx.token = run_graphed("siglip_forward", forward_fn, args + (query_ids, key_ids),
-                                         options=(tile_size,), logits=b * key.shape[0], backend=backend,
+                                         options=(tile_size, check), logits=b * key.shape[0], backend=backend,
                                          token=True, static=(0, 1, 2, 3) if check else ())
         ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
-        ctx.options = (backend, tile_size, scale.shape, bias.shape)
+        ctx.options = (backend, tile_size, scale.shape, bias.shape, check)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the fused SigLIP")
         saved = ctx.saved_tensors
-        backend, tile_size, s_shape, t_shape = ctx.options
+        backend, tile_size, s_shape, t_shape, check = ctx.options
         query, key = saved[0], saved[1]
         _, backward_fn = siglip_passes(backend, tile_size, query.dtype, query.shape[0])
         inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
         args = tuple(saved if inputs is None else inputs) + (grad,)
-        dq, dk, ds, dt = run_graphed("siglip_backward", backward_fn, args, options=(tile_size,),
+        dq, dk, ds, dt = run_graphed("siglip_backward", backward_fn, args, options=(tile_size, check),
                                      logits=query.shape[0] * key.shape[0], backend=backend,
                                      static=(0, 1, 2, 3, 4, 5))
         return (dq, dk, ds.reshape(s_shape) if ctx.needs_input_grad[2] else None,
