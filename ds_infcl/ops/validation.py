@@ -17,7 +17,7 @@ import torch
 
 from ds_infcl.ops.infonce_graph import inputs_of, run_graphed
 
-__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "graphed_value_check", "submit_values",
+__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "graphed_value_check",
            "check_features", "check_labels", "check_label_bounds", "check_scale", "check_tile_size",
            "deferred_value_checks", "checks_read_after_launch"]
 
@@ -126,11 +126,11 @@ def check_values(
     segments = _segments(query, key, scale, labels, check_finite, bias)
     if not segments:
         return
-    submit_values(segments, _value_vector(segments, query, key, scale, labels, bias),
+    _submit(segments, _value_vector(segments, query, key, scale, labels, bias),
                   _Context(_rows(query), _rows(key), scale, bias, num_keys), reads_labels=labels is not None)
 
 
-def submit_values(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False) -> None:
+def _submit(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False) -> None:
     """The host's side of :func:`check_values`, for the value vector ``values`` of ``segments``
     (however it was computed, e.g. in a CUDA graph by :func:`graphed_value_check`): queued in a
     :func:`deferred_value_checks` or :func:`checks_read_after_launch` block, else read now."""
@@ -147,7 +147,7 @@ def graphed_value_check(query: torch.Tensor, key: torch.Tensor, scale: torch.Ten
     CUDA device) where the value vector is computed in a CUDA graph when the shape repeats
     (``ds_infcl.ops.infonce_graph.run_graphed``, under its rules): one replay instead of a handful
     of launches, which at small batches cost the host more than the loss's own replays. Read or
-    queued as :func:`check_values` would (:func:`submit_values`).
+    queued as :func:`check_values` would (``_submit``).
 
     Returns ``(query, key, scale, bias)`` to compute the loss from: the graph's copies, which the
     caller's own graph may read in place (``run_graphed(static=...)``) until the next call of this
@@ -160,7 +160,7 @@ def graphed_value_check(query: torch.Tensor, key: torch.Tensor, scale: torch.Ten
 
     (values,), token = run_graphed("value_check", value_vector, args, options=tuple(segments), logits=logits,
                                    backend=backend, token=True)
-    submit_values(segments, values, _Context(_rows(query), _rows(key), scale, bias, key.shape[0]))
+    _submit(segments, values, _Context(_rows(query), _rows(key), scale, bias, key.shape[0]))
     inputs = inputs_of(token)
     return args if inputs is None else tuple(inputs)
 
