@@ -176,7 +176,7 @@ SETTINGS: Tuple[Setting, ...] = (
     # -- CUDA graphs ------------------------------------------------------------------------------------
     _S("DS_INFCL_CUDA_GRAPH", "choice", "auto", IMPORT, MAY_DIFFER, _GRAPHS,
        "`auto` replays small repeated shapes from CUDA graphs; `1` graphs every size; `0` none (also for work on "
-       "several streams at once). At most 6 graphs are kept: a later repeated shape runs eagerly, and a "
+       "several streams at once). At most 12 graphs are kept: a later repeated shape runs eagerly, and a "
        "`FastPathWarning` says so once",
        choices=("auto", "1", "0"), home="ds_infcl.ops.infonce_graph:CUDA_GRAPH"),
     _S("DS_INFCL_CUDA_GRAPH_MAX_LOGITS", "int", 1 << 28, IMPORT, MAY_DIFFER, _GRAPHS,

@@ -7,14 +7,15 @@ them alike), isolated calls of these variants on the same inputs:
 
 - ``sig_off`` / ``nce_off``: ``siglip_loss`` / ``contrastive_loss`` (symmetric) with
   ``check_finite=False``, forward and backward;
-- ``sig_default`` / ``nce_default``: the default call, which computes the check (in a CUDA graph
-  of its own where the shape repeats, ``ds_infcl.ops.validation.graphed_value_check``) and reads
-  it before returning (``checks_read_after_launch``);
+- ``sig_default`` / ``nce_default``: the default call, which computes the check (at the start of
+  the forward, in its CUDA graph where the shape repeats, ``ds_infcl.ops.validation.PassCheck``)
+  and reads it before returning (``checks_read_after_launch``: the host waits for the check's
+  kernels, not for the loss's);
 - ``sig_queued``: the default call inside ``deferred_value_checks``: computed, not read (what the
   trainer does), so ``sig_default - sig_queued`` is the read and ``sig_queued - sig_off`` the
   computation;
-- ``sig_eager_check``: the default call with the check's operators run eagerly instead of from
-  their graph (what the code before the graph did);
+- ``sig_eager_check``: the default call with the check's operators run eagerly before the forward,
+  its whole vector copied to the host (what the code before the graphed check did);
 - ``sig_fwd_off`` / ``sig_fwd_default``: the forward alone.
 
 Each row gives the median over ``--rounds x --calls`` calls of the host's time (until the call
@@ -45,20 +46,30 @@ from ds_infcl.ops import siglip as siglip_ops
 from ds_infcl.ops import validation
 
 
-def _eager_check(query, key, scale, bias, *, backend, logits):
-    """``graphed_value_check`` with the check's operators run eagerly (the code before the graph)."""
-    validation.check_values(query, key, scale, None, key.shape[0], True, bias)
-    return query, key, scale, bias
+class _EagerCheck:
+    """``PassCheck``'s stand-in that runs the check's operators eagerly before the forward (the code
+    before the check was graphed): ``check_values``, read or queued as that is."""
+
+    OUTPUTS, BORROW = 0, ()
+
+    def __init__(self, query, key, scale, bias=None):
+        validation.check_values(query, key, scale, None, key.shape[0], True, bias)
+
+    def wrap(self, fn, bias_at=None):
+        return fn
+
+    def submit(self, outputs, token=None):
+        return tuple(outputs)
 
 
 @contextlib.contextmanager
 def _eager_checks():
-    graphed = siglip_ops.graphed_value_check
-    siglip_ops.graphed_value_check = _eager_check
+    graphed = siglip_ops.PassCheck
+    siglip_ops.PassCheck = _EagerCheck
     try:
         yield
     finally:
-        siglip_ops.graphed_value_check = graphed
+        siglip_ops.PassCheck = graphed
 
 
 def variants(b: int, c: int, device: str) -> Dict[str, Callable[[], None]]:

@@ -175,8 +175,8 @@ def contrastive_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
     in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
-    # On one device, with no labels to check, so does the eager call: in a CUDA graph of its own
-    # where one replays (ds_infcl.ops.validation.graphed_value_check).
+    # On one device, with no labels to check, so does the eager call: at the start of its forward,
+    # in the forward's CUDA graph where one replays (ds_infcl.ops.validation.PassCheck).
     op_checks = in_op or (world == 1 and impl == "infcl" and check_finite and labels is None)
     # On one device the value checks are read once the loss's kernels are queued (no wait first).
     with checks_read_after_launch(world == 1 and not in_op):

@@ -319,8 +319,8 @@ def siglip_loss(
     world = group_size(group)
     # Traced by torch.compile on one device, the op checks the values itself (in the graph).
     in_op = world == 1 and torch.compiler.is_compiling()
-    # On one device, with no labels to check, so does the eager call: in a CUDA graph of its own
-    # where one replays (ds_infcl.ops.validation.graphed_value_check).
+    # On one device, with no labels to check, so does the eager call: at the start of its forward,
+    # in the forward's CUDA graph where one replays (ds_infcl.ops.validation.PassCheck).
     checks_labels = labels is not None and query_ids is None
     op_checks = in_op or (world == 1 and check_finite and not checks_labels)
     # On one device the value checks are read once the kernels are queued (no wait first).
@@ -336,8 +336,10 @@ def siglip_loss(
         device = query.device
         s, t = _as_scale_tensor(scale, device), _as_scale_tensor(bias, device)
         if world == 1:
-            qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
-                                  key_ids=key_ids)
+            qid = kid = None  # the diagonal: made inside the loss's passes (in their CUDA graphs)
+            if labels is not None or query_ids is not None:
+                qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
+                                      key_ids=key_ids)
             return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
                                      validate=op_checks, check_finite=check_finite, check_labels=checks_labels)
     group = resolve_group(group)

@@ -34,7 +34,7 @@ import torch
 from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, outputs_intact, run_graphed
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 from ds_infcl.ops.options import LSEOptions
-from ds_infcl.ops.validation import check_values, graphed_value_check
+from ds_infcl.ops.validation import PassCheck, check_values
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
 
@@ -47,21 +47,23 @@ class InfoNCEFunction(torch.autograd.Function):
     from a CUDA graph where a small shape repeats (``ds_infcl.ops.infonce_graph``; bitwise the
     eager result either way). The backward reads the forward graph's copies of the inputs and its
     LSE vectors in place while they still hold this call's (``inputs_of``, ``outputs_intact``).
-    With ``check``, the value checks without labels (finite features and scale) run first, from a
-    graph of their own whose copies of the inputs the forward reads (``graphed_value_check``)."""
+    With ``check``, the value checks without labels (finite features and scale) run at the start of
+    the forward, in its graph (``ds_infcl.ops.validation.PassCheck``)."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, options: LSEOptions, check: bool = False):
         s = scale.detach()
-        logits = query.shape[0] * key.shape[0]
-        args = (query, key, s)
-        if check:
-            args = graphed_value_check(query, key, s, None, backend=options.backend, logits=logits)[:3]
-        # (``check`` in the graphs' keys, as in ds_infcl.ops.siglip.SigLIPFunction)
         forward_fn, _ = _passes(options)
-        (loss, row, col), ctx.token = run_graphed("infonce_forward", forward_fn, args + (labels,), options=(options, check),
-                                                  logits=logits, backend=options.backend, token=True,
-                                                  static=(0, 1, 2) if check else (), borrow=(1, 2))
+        checker = PassCheck(query, key, s) if check else None
+        if checker is not None:  # the value checks first, in the forward's own graph
+            forward_fn = checker.wrap(forward_fn)
+        skip = 0 if checker is None else PassCheck.OUTPUTS
+        # (whether it checks is in the graphs' keys, as in ds_infcl.ops.siglip.SigLIPFunction)
+        out, ctx.token = run_graphed("infonce_forward", forward_fn, (query, key, s, labels),
+                                     options=(options, check), logits=query.shape[0] * key.shape[0],
+                                     backend=options.backend, token=True,
+                                     borrow=(skip + 1, skip + 2) + (PassCheck.BORROW if check else ()))
+        loss, row, col = out if checker is None else checker.submit(out, ctx.token)
         ctx.stats = (row, col)  # the graph's buffers (while outputs_intact) or the eager outputs
         if ctx.token is not None:  # what the backward reads once a later replay overwrote them
             row, col = row.clone(), None if col is None else col.clone()

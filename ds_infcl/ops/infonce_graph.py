@@ -6,9 +6,9 @@ Python, autograd and ~10 Triton launches take the host 1.2-1.4 ms. Where a shape
 of the call is replayed from one CUDA graph instead (``run_graphed``): the host then issues a few
 copies and one replay per pass. The single-device InfoNCE
 (``ds_infcl.ops.infonce.InfoNCEFunction``) and SigLIP (``ds_infcl.ops.siglip.SigLIPFunction``)
-each take up to three graphs per shape: the input checks of the default call
-(``ds_infcl.ops.validation.graphed_value_check``), the forward and the backward, each reading the
-previous one's copies of the inputs in place. The distributed gather paths
+each take two graphs per shape: the forward, which starts with the default call's input checks
+(``ds_infcl.ops.validation.PassCheck``), and the backward, which reads the forward's copies of the
+inputs in place; calls with and without the checks keep graphs of their own. The distributed gather paths
 (``ds_infcl.loss.ring_fused``, ``ds_infcl.loss.siglip``) replay their local kernels the same way,
 between their collectives, which stay outside the graphs: the rules, settings and cache below
 are theirs too.
@@ -35,8 +35,8 @@ How:
   A pass's graph reads the previous pass's copies of the inputs in place while these hold
   the call's (``inputs_of``; a version per graph, bumped by its replays and by any copy into its
   buffers, tells when they may not).
-- At most ``MAX_GRAPHS`` graphs are kept (12: the single-device loss takes up to three per shape,
-  the gather path up to five: its forward (two with the early own block), the statistics' merge,
+- At most ``MAX_GRAPHS`` graphs are kept (12: the single-device loss takes two per shape, four
+  where calls with and without the checks mix, the gather path up to five: its forward (two with the early own block), the statistics' merge,
   and its backward's two blocks), for the first shapes that repeat; later shapes run eagerly (capturing again and again
   would cost more than it saves). Each holds its static inputs and outputs and its memory pool:
   0.05 GiB more than the eager peak at 8,192 x 8,192, c = 512. ``clear_graphs()`` frees them.
@@ -144,6 +144,8 @@ class GraphedCall:
     the rest. A call copies into any argument buffer only when it gets another tensor there, and
     a copy into another graph's buffer counts as a change of that graph (its ``version``), so
     that a token taken before tells the change (``outputs_intact``, ``inputs_of``).
+    Outputs that are not CUDA tensors (``None``, a pinned host buffer that the graph fills, an
+    event it records: ``torch.cuda.Event(external=True)``) come back as they are, never cloned.
     ``fn`` must not write into its arguments."""
 
     def __init__(self, fn, args, static=()):
@@ -160,8 +162,11 @@ class GraphedCall:
             self.out = fn(*self.args)
         self.replays = 0
         self.version = 0  # bumped by every replay and every copy into its buffers by another graph's call
+        # Outputs that are not device tensors (a pinned host buffer the graph writes, an event it
+        # records) come back as they are, never cloned.
+        self.kept = frozenset(i for i, o in enumerate(self.out) if not (torch.is_tensor(o) and o.is_cuda))
         for t in [a for i, a in enumerate(self.args) if i not in self.static] + list(self.out):
-            if t is not None:
+            if torch.is_tensor(t) and t.is_cuda:
                 _OWNERS[_storage(t)] = self
 
     def __call__(self, *args, borrow=()):
@@ -174,7 +179,8 @@ class GraphedCall:
         self.graph.replay()
         self.replays += 1
         self.version += 1
-        return tuple(o if (o is None or i in borrow) else o.clone() for i, o in enumerate(self.out))
+        kept = self.kept
+        return tuple(o if (i in kept or i in borrow) else o.clone() for i, o in enumerate(self.out))
 
 
 _OWNERS: dict = {}  # storage address -> the GraphedCall whose input or output buffer it is
@@ -212,9 +218,9 @@ def run_graphed(tag: str, fn, args, *, options, logits: int, backend: str, max_l
     between its collectives."""
     graphed = None
     if _eligible(next(a for a in args if a is not None), backend, logits, max_logits):
-        k = (tag, options) + tuple(None if a is None else (tuple(a.shape), precision_key(a.dtype), a.device)
-                                   for a in args)
-        graphed = _lookup(k, lambda: GraphedCall(fn, args, static), lambda: f"{tag} {k[2:]}")
+        k = (tag, options, precision_key(args)) + tuple(None if a is None else (tuple(a.shape), a.dtype, a.device)
+                                                        for a in args)
+        graphed = _lookup(k, lambda: GraphedCall(fn, args, static), lambda: f"{tag} {k[3:]}")
     out = fn(*args) if graphed is None else graphed(*args, borrow=borrow)
     if not token:
         return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -130,7 +130,9 @@ def tf32_allowed() -> bool:
     return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
-def precision_key(dtype: torch.dtype) -> Tuple[torch.dtype, bool]:
-    """What decides a kernel's dot products for features of ``dtype``: part of the key of a cached
-    CUDA graph, which must not replay TF32 kernels after TF32 was turned off (or the reverse)."""
-    return dtype, dtype == torch.float32 and tf32_allowed()
+def precision_key(tensors) -> bool:
+    """What decides the kernels' dot products beyond the tensors' dtypes: whether TF32 is allowed
+    where any of ``tensors`` (``None`` entries skipped) is float32. Part of the key of a cached
+    CUDA graph, which must not replay TF32 kernels after TF32 was turned off (or the reverse); one
+    read of the setting per call, however many tensors."""
+    return any(t is not None and t.dtype == torch.float32 for t in tensors) and tf32_allowed()

@@ -42,7 +42,7 @@ from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, run_graphed
 from ds_infcl.ops.lse import refuse_double_backward, resolve_backend
 from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
-from ds_infcl.ops.validation import check_values, graphed_value_check
+from ds_infcl.ops.validation import PassCheck, check_values
 
 __all__ = [
     "siglip_ids",
@@ -344,14 +344,17 @@ def siglip_passes(backend: str, tile_size: Optional[int], out_dtype: Optional[to
       for the upstream gradient ``grad`` (0-dim), ``dq`` / ``dk`` in ``out_dtype`` (``None``:
       float32).
 
-    ``count`` is ``b`` on one device, the global number of queries ``B`` for a rank's share in the
+    ``qid`` / ``kid`` ``None``: query ``i``'s positive is key ``i`` (the ids are made inside the
+    pass: in its graph, no launch of the host's). ``count`` is ``b`` on one device, the global number of queries ``B`` for a rank's share in the
     gather path, whose backward carries the ``W`` of the data-parallel contract (``world``, as
     ``ds_infcl.ring.global_sum_with_grad``). Both are constants of the graph."""
 
     def forward(q, k, s, t, qid, kid):
+        qid, kid = _ids(q, k, qid, kid)
         return (siglip_forward(q, k, s, t, qid, kid, backend=backend, tile_size=tile_size) / count,)
 
     def backward(q, k, s, t, qid, kid, grad):
+        qid, kid = _ids(q, k, qid, kid)
         g = grad.detach().float()
         weight = (g if world == 1 else g * world) / count
         dq, dk, ds, dt = siglip_backward(q, k, s, t, qid, kid, weight, backend=backend, tile_size=tile_size,
@@ -362,6 +365,13 @@ def siglip_passes(backend: str, tile_size: Optional[int], out_dtype: Optional[to
     return forward, backward
 
 
+def _ids(query: torch.Tensor, key: torch.Tensor, query_ids: Optional[torch.Tensor], key_ids: Optional[torch.Tensor]):
+    """The ids of a pass: ``None`` stands for the diagonal (``siglip_ids`` without labels)."""
+    if query_ids is None:
+        return siglip_ids(query.shape[0], key.shape[0], query.device)
+    return query_ids, key_ids
+
+
 class SigLIPFunction(torch.autograd.Function):
     """The single-device SigLIP loss (``siglip_forward / b``) as one autograd Function whose passes
     replay from CUDA graphs where a small shape repeats (``run_graphed``; eager otherwise, and
@@ -369,23 +379,24 @@ class SigLIPFunction(torch.autograd.Function):
     (an eager Triton call on the current CUDA device: ``graph_eligible``); the custom ops
     otherwise. The backward reads the forward graph's copies of the inputs in place while they
     still hold this call's (``inputs_of``). With ``check``, the value checks without labels (finite
-    features, scale and bias) run first, replayed from a graph of their own, and the forward reads
-    that graph's copies of the inputs in place (``graphed_value_check``). Saves the inputs:
-    ``O((b + m) c)``."""
+    features, scale and bias) run at the start of the forward, in its graph
+    (``ds_infcl.ops.validation.PassCheck``). ``query_ids`` / ``key_ids`` ``None``: the diagonal,
+    made inside the passes. Saves the inputs: ``O((b + m) c)``."""
 
     @staticmethod
     def forward(ctx, query, key, scale, bias, query_ids, key_ids, backend, tile_size, check=False):
         s, t = scale.detach(), bias.detach()
         b = query.shape[0]
         forward_fn, _ = siglip_passes(backend, tile_size, query.dtype, b)
-        args = (query, key, s, t)
-        if check:  # the value checks in their own graph, whose copies of the inputs the forward reads
-            args = graphed_value_check(query, key, s, t, backend=backend, logits=b * key.shape[0])
-        # (``check`` in the graphs' keys: calls with and without it in one process keep their own
-        # graphs, instead of copying the inputs from one graph's buffers into the other's.)
-        (loss,), ctx.token = run_graphed("siglip_forward", forward_fn, args + (query_ids, key_ids),
-                                         options=(tile_size, check), logits=b * key.shape[0], backend=backend,
-                                         token=True, static=(0, 1, 2, 3) if check else ())
+        checker = PassCheck(query, key, s, t) if check else None
+        if checker is not None:  # the value checks first, in the forward's own graph
+            forward_fn = checker.wrap(forward_fn, bias_at=3)
+        # (whether it checks is in the graphs' keys: calls with and without the check in one
+        # process keep their own graphs)
+        out, ctx.token = run_graphed("siglip_forward", forward_fn, (query, key, s, t, query_ids, key_ids),
+                                     options=(tile_size, check), logits=b * key.shape[0],
+                                     backend=backend, token=True, borrow=PassCheck.BORROW if check else ())
+        (loss,) = out if checker is None else checker.submit(out, ctx.token)
         ctx.save_for_backward(query, key, s, t, query_ids, key_ids)
         ctx.options = (backend, tile_size, scale.shape, bias.shape, check)
         return loss
@@ -411,8 +422,8 @@ def siglip_loss_local(
     key: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor,
-    query_ids: torch.Tensor,
-    key_ids: torch.Tensor,
+    query_ids: Optional[torch.Tensor],
+    key_ids: Optional[torch.Tensor],
     *,
     backend: str = "auto",
     tile_size: Optional[int] = None,
@@ -425,18 +436,23 @@ def siglip_loss_local(
     ``torch.compile`` traces: two opaque ops of known output shapes). The inputs are validated by
     the caller, except for the value checks with ``validate`` (a finite scale and bias, and with
     ``check_finite`` finite features, with ``check_labels`` the query ids, made from labels, in
-    ``[0, m)``), which then run inside the forward op.
+    ``[0, m)``), which then run inside the forward op. ``query_ids`` / ``key_ids`` ``None``: query
+    ``i``'s positive is key ``i``.
 
     An eager call that a CUDA graph may replay (``graph_eligible``) runs ``SigLIPFunction``
     instead. Its value checks, if asked, run before it; without labels to check, they run in
-    ``SigLIPFunction``, in a CUDA graph of their own where the shape repeats
-    (``ds_infcl.ops.validation.graphed_value_check``: a replay instead of a handful of launches)."""
+    ``SigLIPFunction``, at the start of its forward, in the forward's CUDA graph where the shape
+    repeats (``ds_infcl.ops.validation.PassCheck``: no launch of the host's)."""
     backend = resolve_backend(backend, query.device)
     query, key = query.contiguous(), key.contiguous()
+    if check_labels and query_ids is None:
+        raise ValueError("siglip_loss_local: check_labels needs the query ids made from the labels")
     if not torch.compiler.is_compiling() and graph_eligible(query, key, backend):
         graph_check = validate and check_finite and not check_labels
         if validate and not graph_check:  # (a check of labels is read at once: check_values)
             check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
         return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, backend, tile_size, graph_check)
+    if query_ids is None:
+        query_ids, key_ids = siglip_ids(query.shape[0], key.shape[0], query.device)
     return _siglip_forward_op(query, key, scale, bias, query_ids, key_ids, backend,
                               tile_size, validate, check_finite, check_labels)

@@ -15,9 +15,9 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ds_infcl.ops.infonce_graph import inputs_of, run_graphed
+from ds_infcl.ops.infonce_graph import outputs_intact
 
-__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "graphed_value_check",
+__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "PassCheck",
            "check_features", "check_labels", "check_label_bounds", "check_scale", "check_tile_size",
            "deferred_value_checks", "checks_read_after_launch"]
 
@@ -130,39 +130,78 @@ def check_values(
                   _Context(_rows(query), _rows(key), scale, bias, num_keys), reads_labels=labels is not None)
 
 
-def _submit(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False) -> None:
+def _submit(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False,
+            staged=None) -> None:
     """The host's side of :func:`check_values`, for the value vector ``values`` of ``segments``
-    (however it was computed, e.g. in a CUDA graph by :func:`graphed_value_check`): queued in a
-    :func:`deferred_value_checks` or :func:`checks_read_after_launch` block, else read now."""
+    (however it was computed, e.g. in a loss's CUDA graph by :class:`PassCheck`): queued in a
+    :func:`deferred_value_checks` or :func:`checks_read_after_launch` block, else read now.
+    ``staged``: ``(host, event, token)`` of a :class:`PassCheck`, the vector's sum already on its
+    way to pinned memory."""
     pending = _PENDING.get()
     if pending is not None and (not reads_labels or pending.labels_checked):
-        pending.add(segments, values, context)
+        pending.add(segments, values, context, staged)
         return
     _raise_for(_read(segments, values.cpu()), context)
 
 
-def graphed_value_check(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                        *, backend: str, logits: int) -> Tuple[Optional[torch.Tensor], ...]:
-    """:func:`check_values` of a call without labels (finite features, scale and bias, all on one
-    CUDA device) where the value vector is computed in a CUDA graph when the shape repeats
-    (``ds_infcl.ops.infonce_graph.run_graphed``, under its rules): one replay instead of a handful
-    of launches, which at small batches cost the host more than the loss's own replays. Read or
-    queued as :func:`check_values` would (``_submit``).
+class PassCheck:
+    """:func:`check_values` of a call without labels (finite features, scale and bias, on one
+    device), computed at the start of the call's own forward pass: inside its CUDA graph where one
+    replays (``ds_infcl.ops.infonce_graph.run_graphed``), so that the check costs the host no
+    launch and no replay of its own. Read or queued as :func:`check_values` would.
 
-    Returns ``(query, key, scale, bias)`` to compute the loss from: the graph's copies, which the
-    caller's own graph may read in place (``run_graphed(static=...)``) until the next call of this
-    check, or the arguments themselves when the check ran eagerly."""
-    args = (query, key, scale, bias)
-    segments = _segments(query, key, scale, None, True, bias)
+    ``wrap(fn)`` is the pass to run instead of ``fn``: it returns ``(values, host, event)``
+    followed by ``fn``'s outputs. ``values`` is the check's vector on the device; on a CUDA device
+    ``host`` is a one-element pinned buffer that the pass fills with the vector's sum, right after
+    the check's kernels and before ``fn``'s, and ``event`` is recorded there (an external event, a
+    node of the graph), so that the host waits for the check only, not for the loss. ``host`` and
+    ``event`` are the graph's own: pass their indices (1, 2) in ``run_graphed(borrow=...)``.
+    ``submit(outputs, token)`` hands them on and returns ``fn``'s outputs.
 
-    def value_vector(q, k, s, t):
-        return (_value_vector(segments, q, k, s, None, t),)
+    Example::
 
-    (values,), token = run_graphed("value_check", value_vector, args, options=tuple(segments), logits=logits,
-                                   backend=backend, token=True)
-    _submit(segments, values, _Context(_rows(query), _rows(key), scale, bias, key.shape[0]))
-    inputs = inputs_of(token)
-    return args if inputs is None else tuple(inputs)
+        check = PassCheck(query, key, scale, bias)
+        out, token = run_graphed("tag", check.wrap(forward), args, borrow=PassCheck.BORROW, token=True, ...)
+        loss, = check.submit(out, token)
+    """
+
+    BORROW = (1, 2)
+    OUTPUTS = 3  # the outputs wrap() puts before fn's
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> None:
+        self.segments = _segments(query, key, scale, None, True, bias)
+        self.context = _Context(_rows(query), _rows(key), scale, bias, key.shape[0])
+        self._stage: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None
+
+    def wrap(self, fn, bias_at: Optional[int] = None):
+        """``fn(*args)`` preceded by the check of ``args[0]`` (query), ``args[1]`` (key),
+        ``args[2]`` (scale) and ``args[bias_at]`` (bias)."""
+        segments = self.segments
+
+        def checked(*args):
+            values = _value_vector(segments, args[0], args[1], args[2], None,
+                                   None if bias_at is None else args[bias_at])
+            return (values,) + self._staged_sum(values) + tuple(fn(*args))
+
+        return checked
+
+    def _staged_sum(self, values: torch.Tensor):
+        if not values.is_cuda:
+            return None, None
+        if self._stage is None:  # (made by the graph's warm-up run, before its capture)
+            self._stage = (torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event(external=True))
+        host, event = self._stage
+        host.copy_(values.sum().reshape(1), non_blocking=True)  # (no labels: every value must be finite)
+        event.record()
+        return host, event
+
+    def submit(self, outputs, token=None) -> tuple:
+        """Queue or read the check of ``outputs`` (a ``wrap``ped pass's, ``token`` its
+        ``run_graphed`` token); returns the pass's own outputs."""
+        values, host, event = outputs[:self.OUTPUTS]
+        _submit(self.segments, values, self.context, staged=None if host is None else (host, event, token))
+        return tuple(outputs[self.OUTPUTS:])
 
 
 # One segment of the vector of _value_vector: (name, length).
@@ -282,7 +321,7 @@ class DeferredChecks:
         self.labels_checked = labels_checked
         self._entries: List[Tuple[Segments, torch.Tensor, _Context]] = []
 
-    def add(self, segments: Segments, values: torch.Tensor, context: _Context) -> None:
+    def add(self, segments: Segments, values: torch.Tensor, context: _Context, staged=None) -> None:
         self._entries.append((segments, values, context))
 
     def failed(self) -> Optional[torch.Tensor]:
@@ -332,21 +371,32 @@ class _ReadAfterLaunch:
     labels_checked = False
 
     def __init__(self) -> None:
-        self._entries: List[Tuple[Segments, torch.Tensor, _Context, Optional[torch.cuda.Event]]] = []
+        self._entries: list = []
 
-    def add(self, segments: Segments, values: torch.Tensor, context: _Context) -> None:
-        event = None
-        if values.is_cuda:
-            values = values.to("cpu", non_blocking=True)  # into pinned memory, queued
+    def add(self, segments: Segments, values: torch.Tensor, context: _Context, staged=None) -> None:
+        whole = staged is None and values.is_cuda
+        if whole:
+            host = values.to("cpu", non_blocking=True)  # into pinned memory, queued
             event = torch.cuda.Event()
             event.record()
-        self._entries.append((segments, values, context, event))
+            staged = (host, event, None)
+        self._entries.append((segments, values, context, staged, whole))
 
     def raise_if_failed(self) -> None:
-        for segments, values, ctx, event in self._entries:
-            if event is not None:
+        for segments, values, ctx, staged, whole in self._entries:
+            if staged is None:  # (on the CPU)
+                _raise_for(_read(segments, values), ctx)
+                continue
+            host, event, token = staged
+            if whole:
                 event.synchronize()  # waits for the copy only, queued before the call's kernels
-            _raise_for(_read(segments, values), ctx)
+                _raise_for(_read(segments, host), ctx)
+            elif outputs_intact(token):  # a PassCheck's sum, in a buffer no later replay has written
+                event.synchronize()  # waits for the check's kernels only, queued before the loss's
+                if not math.isfinite(host.item()):
+                    _raise_for(_read(segments, values.cpu()), ctx)
+            else:  # (another call of the graph wrote its buffer since: read this call's vector)
+                _raise_for(_read(segments, values.cpu()), ctx)
 
 
 @contextlib.contextmanager

@@ -5,8 +5,8 @@ without CUDA).
     TRITON_INTERPRET=0 python -m pytest -q -s tests/gpu/test_siglip_graph_gpu.py
 
 Each case runs three calls of one shape with new inputs each (the first eager, the second
-captures the forward and the backward, and without labels the value checks, the third replays them) and compares the loss and the
-four gradients with the eager call (``DS_INFCL_CUDA_GRAPH=0``) on the same inputs; then two
+captures the forward, with the value checks where there are no labels to check, and the
+backward, the third replays them) and compares the loss and the four gradients with the eager call (``DS_INFCL_CUDA_GRAPH=0``) on the same inputs; then two
 forwards and their backwards in reverse order (the backward graph then reloads its inputs). The
 kernels are the eager ones: equal to the last bit except where cuBLAS schedules a product
 differently under capture (a 16-bit gradient may then move by an ulp); each case prints whether
@@ -85,34 +85,53 @@ def test_graph_replay_equals_eager(case, monkeypatch):
         assert type(loss.grad_fn).__name__ == "SigLIPFunctionBackward"
         graphed.append(_grads(loss, leaves))
     tags = sorted(k[0] for k in ig._GRAPHS)
-    # the value checks (no labels to check) have a graph of their own
-    want = ["siglip_backward", "siglip_forward"] + ([] if positives == "labels" else ["value_check"])
-    assert tags == want, f"the repeated shape was not captured: {tags}"
+    assert tags == ["siglip_backward", "siglip_forward"], f"the repeated shape was not captured: {tags}"
     graphs = {k[0]: g for k, g in ig._GRAPHS.items()}
     backward, forward = graphs["siglip_backward"], graphs["siglip_forward"]
     assert forward.replays == 2 and backward.replays == 2  # calls 2 and 3
-    # the backward read the forward graph's copies of the inputs in place, and the forward the
-    # check graph's
-    assert backward.args[0].data_ptr() == forward.args[0].data_ptr()
-    if "value_check" in graphs:
-        assert graphs["value_check"].replays == 2
-        assert forward.args[1].data_ptr() == graphs["value_check"].args[1].data_ptr()
+    assert backward.args[0].data_ptr() == forward.args[0].data_ptr()  # read in place
+    checked = positives != "labels"  # the value checks (no labels to check) in the forward's graph
+    assert forward.kept == ({1, 2} if checked else set())  # the pinned sum and the event
     bitwise = [_compare(gr, eg, dtype, f"call {i + 1}") for i, (gr, eg) in enumerate(zip(graphed, eager))]
     # Interleaved: two forwards, then the backwards in reverse order (the inputs are reloaded).
     losses = [_forward(*_inputs(b, m, c, dtype, positives, seed)) for seed in (1, 2)]
     late = [_grads(*losses[1]), _grads(*losses[0])]
     _compare(late[0], eager[2], dtype, "interleaved 2")
     _compare(late[1], eager[1], dtype, "interleaved 1")
-    if "value_check" in graphs:  # calls without the check keep graphs of their own (no copies between them)
+    if checked:
+        _replayed_checks_raise(b, m, c, dtype, positives, forward)
+        # calls without the check keep graphs of their own
         for seed in range(3):
             q, k, s, t, pos = _inputs(b, m, c, dtype, positives, seed)
             siglip_loss(q, k, s, t, backend="triton", check_finite=False, **pos)
         tags = sorted(key[0] for key in ig._GRAPHS)
-        assert tags == ["siglip_backward", "siglip_forward", "siglip_forward", "value_check"], tags
-        forward = next(g for key, g in ig._GRAPHS.items() if key[0] == "siglip_forward" and key[1][-1])
-        assert forward.args[0].data_ptr() == graphs["value_check"].args[0].data_ptr()
+        assert tags == ["siglip_backward", "siglip_forward", "siglip_forward"], tags
     print(f"\ngraphed == eager ({b}x{m}x{c} {dtype} {positives}); bitwise: {bitwise}")
     ig.clear_graphs()
+
+
+def _replayed_checks_raise(b, m, c, dtype, positives, forward):
+    """A replay of the checked forward on bad inputs raises the eager call's error, at the call or
+    from ``deferred_value_checks``; a good call after it passes."""
+    from ds_infcl.ops import validation
+
+    q, k, s, t, pos = _inputs(b, m, c, dtype, positives, 0)
+    bad = q.clone()
+    bad[[0, b - 1]] = float("nan")
+    rows = len({0, b - 1})
+    replays = forward.replays
+    with pytest.raises(ValueError, match=rf"^query has {rows} of {b} rows with NaN or Inf values"):
+        siglip_loss(bad, k, s, t, backend="triton", **pos)
+    with pytest.raises(ValueError, match=r"^bias must be finite, got inf"):
+        siglip_loss(q, k, s, torch.full_like(t, float("inf")), backend="triton", **pos)
+    with validation.deferred_value_checks() as pending:
+        loss = siglip_loss(q, k, s, t, backend="triton", **pos)
+        siglip_loss(bad, k, s, t, backend="triton", **pos)  # queued, not read
+    assert forward.replays == replays + 4
+    assert pending.failed().item() == 1 and torch.isfinite(loss)
+    with pytest.raises(ValueError, match=rf"^query has {rows} of {b} rows"):
+        pending.raise_if_failed()
+    assert torch.isfinite(siglip_loss(q, k, s, t, backend="triton", **pos))
 
 
 def test_large_shapes_stay_eager(monkeypatch):

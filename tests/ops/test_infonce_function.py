@@ -69,13 +69,19 @@ def test_function_equals_the_custom_op(case, backend, monkeypatch):
 
 def test_function_checks_values_in_its_own_pass(monkeypatch):
     """The default call without labels runs its value checks in the Function, through
-    ``graphed_value_check`` (a graph of their own on CUDA, eager here), with the errors of the
+    ``PassCheck`` (at the start of the forward, in its graph on CUDA; eager here), with the errors of the
     other paths, read at the call or queued in ``deferred_value_checks``; with labels, or with
     ``check_finite=False``, the checks stay before the call."""
     monkeypatch.setattr(infonce, "graph_eligible", lambda *a: True)
     calls = []
-    real = infonce.graphed_value_check
-    monkeypatch.setattr(infonce, "graphed_value_check", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+
+    class Counted(infonce.PassCheck):
+        def __init__(self, *args):
+            calls.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(infonce, "PassCheck", Counted)
     q, k, _ = _inputs(8, 10, 16, torch.float32, False)
     bad = q.clone()
     bad[[0, 7], 5] = float("inf")

@@ -196,8 +196,8 @@ def test_tf32_follows_torch_and_the_setting_pins_it(monkeypatch):
         # 16-bit features: their own tensor-core dots (the interpreter's bf16 upcast: full fp32)
         assert triton_lse._kernel_flags(q.half(), 32, 32)["PRECISION"] == 0
         assert triton_lse._kernel_flags(q.bfloat16(), 32, 32)["PRECISION"] == 1
-        assert precision.precision_key(torch.float32) == (torch.float32, True)
-        assert precision.precision_key(BF16) == (BF16, False)
+        assert precision.precision_key((q.bfloat16(), None, q)) is True  # any float32 tensor
+        assert precision.precision_key((q.bfloat16(), None)) is False
         monkeypatch.setenv("DS_INFCL_ALLOW_TF32", "0")
         assert not precision.tf32_allowed()
         torch.backends.cuda.matmul.allow_tf32 = False
