@@ -170,12 +170,16 @@ class GraphedCall:
                 _OWNERS[_storage(t)] = self
 
     def __call__(self, *args, borrow=()):
+        dsts, srcs = [], []
         for i, (dst, src) in enumerate(zip(self.args, args)):
             if dst is not None and dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
+                dsts.append(dst)
+                srcs.append(src)
                 owner = _owner(dst) if i in self.static else None
                 if owner is not None:
                     owner.version += 1
+        if dsts:  # one call for all the copies: at small sizes the host's launches are the cost
+            torch._foreach_copy_(dsts, srcs)
         self.graph.replay()
         self.replays += 1
         self.version += 1

@@ -54,7 +54,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``"auto"`` to a concrete backend for ``device`` and check that it can run there."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if backend == "auto":
         if device.type == "cuda" and _triton_module()[0] is not None:
             return "triton"
@@ -63,7 +62,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         mod, err = _triton_module()
         if mod is None:
             raise ValueError(f'backend="triton" needs the Triton kernels, which failed to import: {err}')
-        if device.type != "cuda" and not interpret:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ValueError(
                 f'backend="triton" runs on CUDA tensors (got {device}); use backend="torch" or '
                 '"auto" on this device, or set TRITON_INTERPRET=1 before import to test kernels on CPU'

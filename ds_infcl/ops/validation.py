@@ -154,9 +154,10 @@ class PassCheck:
     followed by ``fn``'s outputs. ``values`` is the check's vector on the device; on a CUDA device
     ``host`` is a one-element pinned buffer that the pass fills with the vector's sum, right after
     the check's kernels and before ``fn``'s, and ``event`` is recorded there (an external event, a
-    node of the graph), so that the host waits for the check only, not for the loss. ``host`` and
-    ``event`` are the graph's own: pass their indices (1, 2) in ``run_graphed(borrow=...)``.
-    ``submit(outputs, token)`` hands them on and returns ``fn``'s outputs.
+    node of the graph), so that the host waits for the check only, not for the loss. The three
+    come back as the graph's own buffers (``run_graphed(borrow=BORROW)``): ``submit(outputs,
+    token)``, right after the call, reads or queues them (a queued vector is copied first) and
+    returns ``fn``'s outputs.
 
     Example::
 
@@ -165,7 +166,7 @@ class PassCheck:
         loss, = check.submit(out, token)
     """
 
-    BORROW = (1, 2)
+    BORROW = (0, 1, 2)
     OUTPUTS = 3  # the outputs wrap() puts before fn's
 
     def __init__(self, query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor,
@@ -200,6 +201,8 @@ class PassCheck:
         """Queue or read the check of ``outputs`` (a ``wrap``ped pass's, ``token`` its
         ``run_graphed`` token); returns the pass's own outputs."""
         values, host, event = outputs[:self.OUTPUTS]
+        if token is not None and isinstance(_PENDING.get(), DeferredChecks):
+            values = values.clone()  # (read after later replays of the graph)
         _submit(self.segments, values, self.context, staged=None if host is None else (host, event, token))
         return tuple(outputs[self.OUTPUTS:])
 
@@ -395,8 +398,9 @@ class _ReadAfterLaunch:
                 event.synchronize()  # waits for the check's kernels only, queued before the loss's
                 if not math.isfinite(host.item()):
                     _raise_for(_read(segments, values.cpu()), ctx)
-            else:  # (another call of the graph wrote its buffer since: read this call's vector)
-                _raise_for(_read(segments, values.cpu()), ctx)
+            else:  # (one loss call per block: no later replay of its graph before the read)
+                raise RuntimeError("ds_infcl: a loss call's input check was overwritten by another call of the "
+                                   "same CUDA graph before it was read; please report this")
 
 
 @contextlib.contextmanager
