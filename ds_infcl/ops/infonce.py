@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, outputs_intact, run_graphed
+from ds_infcl.ops.infonce_graph import Borrowed, graph_eligible, inputs_of, run_graphed
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 from ds_infcl.ops.options import LSEOptions
 from ds_infcl.ops.validation import PassCheck, check_values
@@ -46,7 +46,8 @@ class InfoNCEFunction(torch.autograd.Function):
     Its forward and backward are each one ``run_graphed`` computation (``_passes``), replayed
     from a CUDA graph where a small shape repeats (``ds_infcl.ops.infonce_graph``; bitwise the
     eager result either way). The backward reads the forward graph's copies of the inputs and its
-    LSE vectors in place while they still hold this call's (``inputs_of``, ``outputs_intact``).
+    LSE vectors in place while they still hold this call's (``inputs_of``; ``Borrowed`` copies the
+    LSE vectors only if another call of the graph comes first).
     With ``check``, the value checks without labels (finite features and scale) run at the start of
     the forward, in its graph (``ds_infcl.ops.validation.PassCheck``)."""
 
@@ -64,10 +65,10 @@ class InfoNCEFunction(torch.autograd.Function):
                                      backend=options.backend, token=True,
                                      borrow=(skip + 1, skip + 2) + (PassCheck.BORROW if check else ()))
         loss, row, col = out if checker is None else checker.submit(out, ctx.token)
-        ctx.stats = (row, col)  # the graph's buffers (while outputs_intact) or the eager outputs
-        if ctx.token is not None:  # what the backward reads once a later replay overwrote them
-            row, col = row.clone(), None if col is None else col.clone()
-        ctx.save_for_backward(query, key, labels, row, col, s)
+        # The graph's buffers, copied only if a later call overwrites them before the backward
+        # reads them (a forward without a backward to come keeps nothing).
+        ctx.stats = Borrowed(ctx.token if any(ctx.needs_input_grad[:3]) else None, (row, col))
+        ctx.save_for_backward(query, key, labels, s)
         ctx.scale_shape = scale.shape
         ctx.options, ctx.check = options, check
         return loss
@@ -75,16 +76,16 @@ class InfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the fused InfoNCE")
-        query, key, labels, row, col, s = ctx.saved_tensors
+        query, key, labels, s = ctx.saved_tensors
         options = ctx.options
-        if outputs_intact(ctx.token):
-            row, col = ctx.stats
+        row, col = ctx.stats.tensors
         inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
         args = tuple((query, key, s, labels) if inputs is None else inputs) + (row, col, grad)
         _, backward_fn = _passes(options)
         dq, dk, ds = run_graphed("infonce_backward", backward_fn, args, options=(options, ctx.check),
                                  logits=query.shape[0] * key.shape[0], backend=options.backend,
                                  static=(0, 1, 2, 3, 4, 5))
+        ctx.stats.release()
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq, dk, dscale, None, None, None
 

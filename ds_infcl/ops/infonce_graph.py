@@ -29,7 +29,8 @@ How:
   passes, on static inputs, with the same kernels and tiles as the eager call, so the results are
   bitwise the eager ones; every later call replays.
 - Each replay copies its inputs into the static buffers and clones its outputs (except those a
-  caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream),
+  caller borrows, ``run_graphed(borrow=...)``: read before the next replay, on the same stream,
+  or held in a ``Borrowed``, which copies them just before a replay would overwrite them),
   so calls may interleave freely (two forwards, then their two backwards). The backward skips the input copies
   when no other replay of the graph ran since its forward (the buffers still hold its inputs).
   A pass's graph reads the previous pass's copies of the inputs in place while these hold
@@ -55,7 +56,7 @@ import torch
 from ds_infcl import settings
 from ds_infcl.ops.precision import precision_key
 
-__all__ = ["GraphedCall", "graph_eligible", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
+__all__ = ["GraphedCall", "Borrowed", "graph_eligible", "run_graphed", "outputs_intact", "inputs_of", "clear_graphs",
            "CUDA_GRAPH", "MAX_LOGITS", "GATHER_MAX_LOGITS", "MAX_GRAPHS"]
 
 
@@ -162,6 +163,7 @@ class GraphedCall:
             self.out = fn(*self.args)
         self.replays = 0
         self.version = 0  # bumped by every replay and every copy into its buffers by another graph's call
+        self.before_change: list = []  # called, once, before the next such change (``Borrowed``)
         # Outputs that are not device tensors (a pinned host buffer the graph writes, an event it
         # records) come back as they are, never cloned.
         self.kept = frozenset(i for i, o in enumerate(self.out) if not (torch.is_tensor(o) and o.is_cuda))
@@ -170,6 +172,7 @@ class GraphedCall:
                 _OWNERS[_storage(t)] = self
 
     def __call__(self, *args, borrow=()):
+        self.changing()
         dsts, srcs = [], []
         for i, (dst, src) in enumerate(zip(self.args, args)):
             if dst is not None and dst.data_ptr() != src.data_ptr():
@@ -177,14 +180,49 @@ class GraphedCall:
                 srcs.append(src)
                 owner = _owner(dst) if i in self.static else None
                 if owner is not None:
-                    owner.version += 1
+                    owner.changing()
         if dsts:  # one call for all the copies: at small sizes the host's launches are the cost
             torch._foreach_copy_(dsts, srcs)
         self.graph.replay()
         self.replays += 1
-        self.version += 1
         kept = self.kept
         return tuple(o if (i in kept or i in borrow) else o.clone() for i, o in enumerate(self.out))
+
+
+    def changing(self) -> None:
+        """About to write its buffers (a replay, or a copy into them by another graph's call):
+        runs the ``before_change`` calls (stream-ordered before the write) and bumps ``version``."""
+        if self.before_change:
+            calls, self.before_change = self.before_change, []
+            for fn in calls:
+                fn()
+        self.version += 1
+
+
+class Borrowed:
+    """Outputs borrowed from a ``run_graphed(borrow=..., token=True)`` call (``token``) that stay
+    valid until ``release()``: copied only if the graph is about to overwrite them before that
+    (copy on write, ``GraphedCall.before_change``), not on every call. ``tensors`` holds them (the
+    graph's buffers, or the copies); eager outputs are held as they are."""
+
+    __slots__ = ("tensors", "_live")
+
+    def __init__(self, token, tensors: tuple) -> None:
+        self.tensors = tensors
+        self._live = token is not None
+        if self._live:
+            if not outputs_intact(token):
+                raise RuntimeError("Borrowed: the graph's outputs were overwritten before they were borrowed")
+            token[0].before_change.append(self._copy)
+
+    def _copy(self) -> None:
+        if self._live:
+            self.tensors = tuple(None if t is None else t.clone() for t in self.tensors)
+            self._live = False
+
+    def release(self) -> None:
+        """No longer needed: no copy when the graph next changes."""
+        self._live = False
 
 
 _OWNERS: dict = {}  # storage address -> the GraphedCall whose input or output buffer it is

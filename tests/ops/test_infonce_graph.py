@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ds_infcl.loss import contrastive_loss
@@ -34,3 +35,39 @@ def test_cpu_calls_are_never_graphed(monkeypatch):
     for _ in range(3):
         contrastive_loss(q, k, 5.0, symmetric=True).backward()
     assert not ig._GRAPHS and not ig._SEEN
+
+
+class _Graph:
+    """A stand-in for a kept ``GraphedCall``'s bookkeeping (``changing`` is the real method):
+    ``out`` plays its output buffers, which a replay overwrites."""
+
+    def __init__(self):
+        self.before_change, self.version = [], 0
+        self.out = (torch.arange(4.0), torch.arange(3.0))
+
+    def replay(self, value):
+        ig.GraphedCall.changing(self)
+        for t in self.out:
+            t.fill_(value)
+
+    def token(self):
+        return (self, self.version, ())
+
+
+def test_borrowed_outputs_are_copied_only_before_they_are_overwritten():
+    g = _Graph()
+    first = ig.Borrowed(g.token(), g.out)  # e.g. a forward's LSE vectors, read by its backward
+    assert first.tensors[0] is g.out[0]  # no copy yet
+    g.replay(7.0)  # another call of the graph comes first: the first call's values were copied
+    assert first.tensors[0] is not g.out[0]
+    assert torch.equal(first.tensors[0], torch.arange(4.0)) and torch.equal(first.tensors[1], torch.arange(3.0))
+    second = ig.Borrowed(g.token(), g.out)
+    second.release()  # read (its backward ran) before the next call: never copied
+    g.replay(8.0)
+    assert second.tensors[0] is g.out[0] and not g.before_change
+    g.replay(9.0)  # a copy only once
+    assert torch.equal(first.tensors[0], torch.arange(4.0))
+    eager = ig.Borrowed(None, (torch.ones(2), None))  # eager outputs: held as they are
+    assert eager.tensors[1] is None and torch.equal(eager.tensors[0], torch.ones(2))
+    with pytest.raises(RuntimeError, match="overwritten before they were borrowed"):
+        ig.Borrowed((g, g.version - 1, ()), g.out)  # a stale token
