@@ -133,3 +133,17 @@ def test_function_checks_values_in_its_own_pass(monkeypatch):
     assert len(calls) == 4
     good = siglip_loss(q, k, 5.0, -1.0, backend="torch", **pos)
     assert len(calls) == 5 and torch.isfinite(good)
+
+
+def test_default_ids_are_made_inside_the_passes(monkeypatch):
+    """``siglip_loss_local`` without ids (query i's positive is key i) equals the call with the
+    diagonal ids, on the Function path and on the custom op's; a check of labels needs the ids."""
+    q, k, _ = _inputs(6, 9, 16, torch.float32, "diag")
+    s, t = torch.tensor(7.0), torch.tensor(-3.0)
+    ids = sg.siglip_ids(6, 9, q.device)
+    want = sg.siglip_loss_local(q, k, s, t, *ids, backend="torch")
+    assert torch.equal(sg.siglip_loss_local(q, k, s, t, None, None, backend="torch"), want)
+    monkeypatch.setattr(sg, "graph_eligible", lambda *a: True)
+    assert torch.equal(sg.siglip_loss_local(q, k, s, t, None, None, backend="torch"), want)
+    with pytest.raises(ValueError, match="check_labels needs the query ids"):
+        sg.siglip_loss_local(q, k, s, t, None, None, backend="torch", validate=True, check_labels=True)
