@@ -27,6 +27,7 @@ keep ``InfoNCEFunction``, whose forward and backward share the graph between the
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -65,10 +66,12 @@ class InfoNCEFunction(torch.autograd.Function):
                                      backend=options.backend, token=True,
                                      borrow=(skip + 1, skip + 2) + (PassCheck.BORROW if check else ()))
         loss, row, col = out if checker is None else checker.submit(out, ctx.token)
-        # The graph's buffers, copied only if a later call overwrites them before the backward
-        # reads them (a forward without a backward to come keeps nothing).
-        ctx.stats = Borrowed(ctx.token if any(ctx.needs_input_grad[:3]) else None, (row, col))
-        ctx.save_for_backward(query, key, labels, s)
+        # The graph's buffers, copied only if a later call of the graph comes while a backward
+        # may still read them: autograd frees ``alive`` after the backward (unless the graph is
+        # retained for another), or at once where no backward will come.
+        alive = torch.empty(0)
+        ctx.stats = Borrowed(ctx.token, (row, col), needed=weakref.ref(alive))
+        ctx.save_for_backward(query, key, labels, s, alive)
         ctx.scale_shape = scale.shape
         ctx.options, ctx.check = options, check
         return loss
@@ -76,7 +79,7 @@ class InfoNCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("the fused InfoNCE")
-        query, key, labels, s = ctx.saved_tensors
+        query, key, labels, s, _ = ctx.saved_tensors
         options = ctx.options
         row, col = ctx.stats.tensors
         inputs = inputs_of(ctx.token)  # the forward graph's copies, while they hold this call's
@@ -85,7 +88,6 @@ class InfoNCEFunction(torch.autograd.Function):
         dq, dk, ds = run_graphed("infonce_backward", backward_fn, args, options=(options, ctx.check),
                                  logits=query.shape[0] * key.shape[0], backend=options.backend,
                                  static=(0, 1, 2, 3, 4, 5))
-        ctx.stats.release()
         dscale = ds.reshape(ctx.scale_shape) if ctx.needs_input_grad[2] else None
         return dq, dk, dscale, None, None, None
 

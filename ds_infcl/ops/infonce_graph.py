@@ -204,24 +204,30 @@ class GraphedCall:
 
 class Borrowed:
     """Outputs borrowed from a ``run_graphed(borrow=..., token=True)`` call (``token``) that stay
-    valid until ``release()``: copied only if the graph is about to overwrite them before that
-    (copy on write, ``GraphedCall.before_change``), not on every call. ``tensors`` holds them (the
-    graph's buffers, or the copies); eager outputs are held as they are."""
+    valid for as long as they are ``needed``: copied only if the graph is about to overwrite them
+    before that (copy on write, ``GraphedCall.before_change``), not on every call. ``tensors``
+    holds them (the graph's buffers, or the copies); eager outputs are held as they are.
 
-    __slots__ = ("tensors", "_live")
+    ``needed``: a ``weakref.ref`` that dies when the outputs are no longer needed. An autograd
+    Function passes one to a tensor it saves for its backward and nowhere else: autograd frees it
+    after the backward, unless the graph is retained for another. ``release()`` says so directly.
+    """
 
-    def __init__(self, token, tensors: tuple) -> None:
+    __slots__ = ("tensors", "_live", "_needed")
+
+    def __init__(self, token, tensors: tuple, needed: Optional[Callable[[], object]] = None) -> None:
         self.tensors = tensors
         self._live = token is not None
+        self._needed = needed
         if self._live:
             if not outputs_intact(token):
                 raise RuntimeError("Borrowed: the graph's outputs were overwritten before they were borrowed")
             token[0].before_change.append(self._copy)
 
     def _copy(self) -> None:
-        if self._live:
+        if self._live and (self._needed is None or self._needed() is not None):
             self.tensors = tuple(None if t is None else t.clone() for t in self.tensors)
-            self._live = False
+        self._live = False
 
     def release(self) -> None:
         """No longer needed: no copy when the graph next changes."""

@@ -92,6 +92,13 @@ def test_graph_replay_equals_eager(case, check_finite, monkeypatch):
     late = [_grads(*losses[1]), _grads(*losses[0])]
     _compare(late[0], eager[2], dtype, "interleaved 2")
     _compare(late[1], eager[1], dtype, "interleaved 1")
+    # A retained graph's second backward after another call of the shape: the forward graph's
+    # replay copied the first call's LSE vectors before overwriting them (Borrowed).
+    loss, leaves = _forward(*_inputs(b, m, c, dtype, labels, 1), symmetric, check_finite)
+    loss.backward(retain_graph=True)
+    _forward(*_inputs(b, m, c, dtype, labels, 2), symmetric, check_finite)
+    twice = _grads(loss, leaves)  # the gradients of two backwards, accumulated
+    _compare([twice[0]] + [g / 2 for g in twice[1:]], eager[1], dtype, "retained graph, second backward")
     print(f"\ngraphed == eager ({b}x{m}x{c} {dtype} symmetric={symmetric} labels={labels}); bitwise: {bitwise}")
     ig.clear_graphs()
 

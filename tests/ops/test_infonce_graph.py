@@ -4,6 +4,7 @@ graphed off CUDA (the replays themselves: tests/gpu/test_infonce_graph_gpu.py)."
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -67,6 +68,14 @@ def test_borrowed_outputs_are_copied_only_before_they_are_overwritten():
     assert second.tensors[0] is g.out[0] and not g.before_change
     g.replay(9.0)  # a copy only once
     assert torch.equal(first.tensors[0], torch.arange(4.0))
+    # needed: the weak reference of a tensor the backward saves (dead once autograd frees it)
+    marker = torch.empty(0)
+    kept = ig.Borrowed(g.token(), g.out, needed=weakref.ref(marker))
+    dropped = ig.Borrowed(g.token(), g.out, needed=weakref.ref(torch.empty(0)))
+    g.replay(10.0)
+    assert torch.equal(kept.tensors[0], torch.full((4,), 9.0)) and kept.tensors[0] is not g.out[0]
+    assert dropped.tensors[0] is g.out[0]  # nobody needed them any more: not copied
+    del marker
     eager = ig.Borrowed(None, (torch.ones(2), None))  # eager outputs: held as they are
     assert eager.tensors[1] is None and torch.equal(eager.tensors[0], torch.ones(2))
     with pytest.raises(RuntimeError, match="overwritten before they were borrowed"):
