@@ -191,7 +191,6 @@ class GraphedCall:
         kept = self.kept
         return tuple(o if (i in kept or i in borrow) else o.clone() for i, o in enumerate(self.out))
 
-
     def changing(self) -> None:
         """About to write its buffers (a replay, or a copy into them by another graph's call):
         runs the ``before_change`` calls (stream-ordered before the write) and bumps ``version``."""
@@ -210,7 +209,7 @@ class Borrowed:
 
     ``needed``: a ``weakref.ref`` that dies when the outputs are no longer needed. An autograd
     Function passes one to a tensor it saves for its backward and nowhere else: autograd frees it
-    after the backward, unless the graph is retained for another. ``release()`` says so directly.
+    after the backward, unless the graph is retained for another.
     """
 
     __slots__ = ("tensors", "_live", "_needed")
@@ -227,10 +226,6 @@ class Borrowed:
     def _copy(self) -> None:
         if self._live and (self._needed is None or self._needed() is not None):
             self.tensors = tuple(None if t is None else t.clone() for t in self.tensors)
-        self._live = False
-
-    def release(self) -> None:
-        """No longer needed: no copy when the graph next changes."""
         self._live = False
 
 

@@ -452,7 +452,6 @@ def siglip_loss_local(
         if validate and not graph_check:  # (a check of labels is read at once: check_values)
             check_values(query, key, scale, query_ids if check_labels else None, key.shape[0], check_finite, bias)
         return SigLIPFunction.apply(query, key, scale, bias, query_ids, key_ids, backend, tile_size, graph_check)
-    if query_ids is None:
-        query_ids, key_ids = siglip_ids(query.shape[0], key.shape[0], query.device)
+    query_ids, key_ids = _ids(query, key, query_ids, key_ids)
     return _siglip_forward_op(query, key, scale, bias, query_ids, key_ids, backend,
                               tile_size, validate, check_finite, check_labels)
