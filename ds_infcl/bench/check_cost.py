@@ -8,7 +8,7 @@ them alike), isolated calls of these variants on the same inputs:
 - ``sig_off`` / ``nce_off``: ``siglip_loss`` / ``contrastive_loss`` (symmetric) with
   ``check_finite=False``, forward and backward;
 - ``sig_default`` / ``nce_default``: the default call, which computes the check (at the start of
-  the forward, in its CUDA graph where the shape repeats, ``ds_infcl.ops.validation.PassCheck``)
+  the forward, in its CUDA graph where the shape repeats, ``ds_infcl.ops.pass_check.PassCheck``)
   and reads it before returning (``checks_read_after_launch``: the host waits for the check's
   kernels, not for the loss's);
 - ``sig_queued``: the default call inside ``deferred_value_checks``: computed, not read (what the

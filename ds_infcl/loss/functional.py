@@ -176,10 +176,12 @@ def contrastive_loss(
     # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
     in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
     # On one device, with no labels to check, so does the eager call: at the start of its forward,
-    # in the forward's CUDA graph where one replays (ds_infcl.ops.validation.PassCheck).
+    # in the forward's CUDA graph where one replays (ds_infcl.ops.pass_check.PassCheck).
     op_checks = in_op or (world == 1 and impl == "infcl" and check_finite and labels is None)
-    # On one device the value checks are read once the loss's kernels are queued (no wait first).
-    with checks_read_after_launch(world == 1 and not in_op):
+    # On one device the value checks are read once the loss's kernels are queued (no wait first);
+    # across ranks too, once every rank's verdict is agreed in the loss's first collective.
+    agree = world > 1 and impl == "infcl" and check_finite
+    with checks_read_after_launch((world == 1 and not in_op) or agree, agree=agree) as checks:
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             fn = get_loss_impl(impl)
             check_tile_size(tile_size)
@@ -190,6 +192,11 @@ def contrastive_loss(
         if op_checks:
             return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
                                 tile_size=tile_size, validate=True, check_finite=check_finite)
+        if agree:
+            from ds_infcl.loss.ring import ring_infonce
+
+            return ring_infonce(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
+                                tile_size=tile_size, checks=checks)
         return fn(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,
                   tile_size=tile_size)
 

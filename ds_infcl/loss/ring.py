@@ -56,7 +56,7 @@ from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
 from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
 from ds_infcl.ops import LSEOptions, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
-from ds_infcl.ring import agree_on_input_errors, exchange_layout, group_size, resolve_group
+from ds_infcl.ring import agree_on_input_errors, agree_on_value_checks, exchange_layout, group_size, resolve_group
 
 __all__ = ["RingLSEFunction", "ring_lse", "ring_infonce"]
 
@@ -150,8 +150,9 @@ def last_algorithm() -> Optional[str]:
     return _LAST["algorithm"]
 
 
-def _exchange(query, key, labels, symmetric, group, own):
-    """``(layout, staged)``: the layout exchange of ``ring_infonce``, and where the group has a
+def _exchange(query, key, labels, symmetric, group, own, agree):
+    """``(layout, staged)``: the layout exchange of ``ring_infonce`` (``agree``: whether this call
+    agrees on its value checks, which every rank must do alike), and where the group has a
     copy-engine transport (``ds_infcl.loss.peer_copy``), this call's keys staged for it while the
     exchange is in flight (``staged``: ``(ticket, whether every rank staged in step)``, else
     ``None``). The transport's epoch advances on every call, on every rank alike."""
@@ -166,7 +167,7 @@ def _exchange(query, key, labels, symmetric, group, own):
     try:
         layout = exchange_layout(
             query, key, group, protocol="ring_lse",
-            flags=_flags(exclude_positive=False, compute_col=symmetric), settings=algorithm_settings(),
+            flags=_flags(exclude_positive=False, compute_col=symmetric, agree=agree), settings=algorithm_settings(),
             explicit_labels=labels is not None, staged=tag, between=None if transport is None else between,
         )
     except BaseException:
@@ -188,11 +189,14 @@ def ring_infonce(
     backend: str = "auto",
     group=None,
     tile_size: Optional[int] = None,
+    checks=None,
 ) -> torch.Tensor:
     """Global InfoNCE across ranks: the global loss on every rank, exact gradients after the
     data-parallel mean (``labels`` are local indices, so a positive lives on its query's rank;
     ``None``: the diagonal). By the ring, or by one all-gather where the features are small
-    (``choose_algorithm``)."""
+    (``choose_algorithm``). ``checks``: the value checks the caller queued, agreed on by every rank
+    in the first collective after the layout exchange (``agree_on_value_checks``; the caller reads
+    them once the forward is queued)."""
     group = resolve_group(group)
     backend = _resolve_backend(backend, query.device, group)
     if labels is not None:
@@ -200,7 +204,9 @@ def ring_infonce(
     query, key = query.contiguous(), key.contiguous()
     own = ring_fused.own_block_early(query, key, scale_t, labels, symmetric, backend, tile_size, group_size(group),
                                      group)
-    layout, staged = _exchange(query, key, labels, symmetric, group, own)
+    layout, staged = _exchange(query, key, labels, symmetric, group, own, checks is not None)
+    if checks is not None:
+        agree_on_value_checks(checks, layout, group, query.device)
     algorithm = choose_algorithm(layout, query.shape[1], query.element_size())
     _LAST["algorithm"] = algorithm
     if algorithm == "gather":

@@ -56,6 +56,7 @@ from ds_infcl.ops.validation import check_inputs, check_tile_size, checks_read_a
 from ds_infcl.ring import (
     RingLayout,
     agree_on_input_errors,
+    agree_on_value_checks,
     all_gather_rows,
     exchange_layout,
     global_sum_with_grad,
@@ -320,11 +321,13 @@ def siglip_loss(
     # Traced by torch.compile on one device, the op checks the values itself (in the graph).
     in_op = world == 1 and torch.compiler.is_compiling()
     # On one device, with no labels to check, so does the eager call: at the start of its forward,
-    # in the forward's CUDA graph where one replays (ds_infcl.ops.validation.PassCheck).
+    # in the forward's CUDA graph where one replays (ds_infcl.ops.pass_check.PassCheck).
     checks_labels = labels is not None and query_ids is None
     op_checks = in_op or (world == 1 and check_finite and not checks_labels)
-    # On one device the value checks are read once the kernels are queued (no wait first).
-    with checks_read_after_launch(world == 1 and not in_op):
+    # On one device the value checks are read once the kernels are queued (no wait first); across
+    # ranks too, once every rank's verdict is agreed in the loss's first collective.
+    agree = world > 1 and check_finite
+    with checks_read_after_launch((world == 1 and not in_op) or agree, agree=agree) as checks:
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             if backend not in BACKENDS:
                 raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -342,10 +345,19 @@ def siglip_loss(
                                       key_ids=key_ids)
             return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
                                      validate=op_checks, check_finite=check_finite, check_labels=checks_labels)
+        return _siglip_distributed(query, key, s, t, labels, query_ids, key_ids, backend, tile_size, group, checks)
+
+
+def _siglip_distributed(query, key, s, t, labels, query_ids, key_ids, backend, tile_size, group, checks):
+    """``siglip_loss`` over several ranks, its inputs checked on this rank (``checks``: the value
+    checks it queued, agreed on by every rank right after the layout exchange, or ``None``)."""
     group = resolve_group(group)
     with_ids = query_ids is not None
-    layout = exchange_layout(query, key, group, protocol="siglip", flags=int(with_ids), settings=algorithm_settings())
-    qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
+    flags = int(with_ids) | int(checks is not None) << 1  # (ranks that disagree would pair other collectives)
+    layout = exchange_layout(query, key, group, protocol="siglip", flags=flags, settings=algorithm_settings())
+    if checks is not None:
+        agree_on_value_checks(checks, layout, group, query.device)
+    qid, kid = siglip_ids(query.shape[0], key.shape[0], query.device, labels=labels, query_ids=query_ids,
                           key_ids=key_ids, key_offset=layout.key_offset())
     algorithm = _LAST["algorithm"] = choose_algorithm(layout, query.shape[1], query.element_size())
     if algorithm == "gather":

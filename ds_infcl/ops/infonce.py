@@ -35,7 +35,8 @@ import torch
 from ds_infcl.ops.infonce_graph import Borrowed, graph_eligible, inputs_of, run_graphed
 from ds_infcl.ops.lse import compose_infonce, infonce_forward, lse_backward, refuse_double_backward, resolve_backend
 from ds_infcl.ops.options import LSEOptions
-from ds_infcl.ops.validation import PassCheck, check_values
+from ds_infcl.ops.pass_check import PassCheck
+from ds_infcl.ops.validation import check_values
 
 __all__ = ["InfoNCEFunction", "infonce_loss", "compose_infonce", "column_weights"]
 
@@ -50,7 +51,7 @@ class InfoNCEFunction(torch.autograd.Function):
     LSE vectors in place while they still hold this call's (``inputs_of``; ``Borrowed`` copies the
     LSE vectors only if another call of the graph comes first).
     With ``check``, the value checks without labels (finite features and scale) run at the start of
-    the forward, in its graph (``ds_infcl.ops.validation.PassCheck``)."""
+    the forward, in its graph (``ds_infcl.ops.pass_check.PassCheck``)."""
 
     @staticmethod
     def forward(ctx, query, key, scale, labels, options: LSEOptions, check: bool = False):

@@ -7,7 +7,7 @@ of the call is replayed from one CUDA graph instead (``run_graphed``): the host 
 copies and one replay per pass. The single-device InfoNCE
 (``ds_infcl.ops.infonce.InfoNCEFunction``) and SigLIP (``ds_infcl.ops.siglip.SigLIPFunction``)
 each take two graphs per shape: the forward, which starts with the default call's input checks
-(``ds_infcl.ops.validation.PassCheck``), and the backward, which reads the forward's copies of the
+(``ds_infcl.ops.pass_check.PassCheck``), and the backward, which reads the forward's copies of the
 inputs in place; calls with and without the checks keep graphs of their own. The distributed gather paths
 (``ds_infcl.loss.ring_fused``, ``ds_infcl.loss.siglip``) replay their local kernels the same way,
 between their collectives, which stay outside the graphs: the rules, settings and cache below

@@ -42,7 +42,8 @@ from ds_infcl.ops.infonce_graph import graph_eligible, inputs_of, run_graphed
 from ds_infcl.ops.lse import refuse_double_backward, resolve_backend
 from ds_infcl.ops.precision import autocast_off
 from ds_infcl.ops.tiled import default_tile_size, labels_or_diagonal
-from ds_infcl.ops.validation import PassCheck, check_values
+from ds_infcl.ops.pass_check import PassCheck
+from ds_infcl.ops.validation import check_values
 
 __all__ = [
     "siglip_ids",
@@ -380,7 +381,7 @@ class SigLIPFunction(torch.autograd.Function):
     otherwise. The backward reads the forward graph's copies of the inputs in place while they
     still hold this call's (``inputs_of``). With ``check``, the value checks without labels (finite
     features, scale and bias) run at the start of the forward, in its graph
-    (``ds_infcl.ops.validation.PassCheck``). ``query_ids`` / ``key_ids`` ``None``: the diagonal,
+    (``ds_infcl.ops.pass_check.PassCheck``). ``query_ids`` / ``key_ids`` ``None``: the diagonal,
     made inside the passes. Saves the inputs: ``O((b + m) c)``."""
 
     @staticmethod
@@ -442,7 +443,7 @@ def siglip_loss_local(
     An eager call that a CUDA graph may replay (``graph_eligible``) runs ``SigLIPFunction``
     instead. Its value checks, if asked, run before it; without labels to check, they run in
     ``SigLIPFunction``, at the start of its forward, in the forward's CUDA graph where the shape
-    repeats (``ds_infcl.ops.validation.PassCheck``: no launch of the host's)."""
+    repeats (``ds_infcl.ops.pass_check.PassCheck``: no launch of the host's)."""
     backend = resolve_backend(backend, query.device)
     query, key = query.contiguous(), key.contiguous()
     if check_labels and query_ids is None:

@@ -17,9 +17,9 @@ import torch
 
 from ds_infcl.ops.infonce_graph import outputs_intact
 
-__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values", "PassCheck",
+__all__ = ["SUPPORTED_DTYPES", "DeferredChecks", "check_inputs", "check_values",
            "check_features", "check_labels", "check_label_bounds", "check_scale", "check_tile_size",
-           "deferred_value_checks", "checks_read_after_launch"]
+           "deferred_value_checks", "checks_read_after_launch", "pending_checks"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,78 +133,15 @@ def check_values(
 def _submit(segments: Segments, values: torch.Tensor, context: "_Context", reads_labels: bool = False,
             staged=None) -> None:
     """The host's side of :func:`check_values`, for the value vector ``values`` of ``segments``
-    (however it was computed, e.g. in a loss's CUDA graph by :class:`PassCheck`): queued in a
+    (however it was computed, e.g. in a loss's CUDA graph by ``ds_infcl.ops.pass_check.PassCheck``): queued in a
     :func:`deferred_value_checks` or :func:`checks_read_after_launch` block, else read now.
-    ``staged``: ``(host, event, token)`` of a :class:`PassCheck`, the vector's sum already on its
+    ``staged``: ``(host, event, token)`` of a ``PassCheck``, the vector's sum already on its
     way to pinned memory."""
     pending = _PENDING.get()
     if pending is not None and (not reads_labels or pending.labels_checked):
         pending.add(segments, values, context, staged)
         return
     _raise_for(_read(segments, values.cpu()), context)
-
-
-class PassCheck:
-    """:func:`check_values` of a call without labels (finite features, scale and bias, on one
-    device), computed at the start of the call's own forward pass: inside its CUDA graph where one
-    replays (``ds_infcl.ops.infonce_graph.run_graphed``), so that the check costs the host no
-    launch and no replay of its own. Read or queued as :func:`check_values` would.
-
-    ``wrap(fn)`` is the pass to run instead of ``fn``: it returns ``(values, host, event)``
-    followed by ``fn``'s outputs. ``values`` is the check's vector on the device; on a CUDA device
-    ``host`` is a one-element pinned buffer that the pass fills with the vector's sum, right after
-    the check's kernels and before ``fn``'s, and ``event`` is recorded there (an external event, a
-    node of the graph), so that the host waits for the check only, not for the loss. The three
-    come back as the graph's own buffers (``run_graphed(borrow=BORROW)``): ``submit(outputs,
-    token)``, right after the call, reads or queues them (a queued vector is copied first) and
-    returns ``fn``'s outputs.
-
-    Example::
-
-        check = PassCheck(query, key, scale, bias)
-        out, token = run_graphed("tag", check.wrap(forward), args, borrow=PassCheck.BORROW, token=True, ...)
-        loss, = check.submit(out, token)
-    """
-
-    BORROW = (0, 1, 2)
-    OUTPUTS = 3  # the outputs wrap() puts before fn's
-
-    def __init__(self, query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor,
-                 bias: Optional[torch.Tensor] = None) -> None:
-        self.segments = _segments(query, key, scale, None, True, bias)
-        self.context = _Context(_rows(query), _rows(key), scale, bias, key.shape[0])
-        self._stage: Optional[Tuple[torch.Tensor, torch.cuda.Event]] = None
-
-    def wrap(self, fn, bias_at: Optional[int] = None):
-        """``fn(*args)`` preceded by the check of ``args[0]`` (query), ``args[1]`` (key),
-        ``args[2]`` (scale) and ``args[bias_at]`` (bias)."""
-        segments = self.segments
-
-        def checked(*args):
-            values = _value_vector(segments, args[0], args[1], args[2], None,
-                                   None if bias_at is None else args[bias_at])
-            return (values,) + self._staged_sum(values) + tuple(fn(*args))
-
-        return checked
-
-    def _staged_sum(self, values: torch.Tensor):
-        if not values.is_cuda:
-            return None, None
-        if self._stage is None:  # (made by the graph's warm-up run, before its capture)
-            self._stage = (torch.empty(1, dtype=torch.float64, pin_memory=True), torch.cuda.Event(external=True))
-        host, event = self._stage
-        host.copy_(values.sum().reshape(1), non_blocking=True)  # (no labels: every value must be finite)
-        event.record()
-        return host, event
-
-    def submit(self, outputs, token=None) -> tuple:
-        """Queue or read the check of ``outputs`` (a ``wrap``ped pass's, ``token`` its
-        ``run_graphed`` token); returns the pass's own outputs."""
-        values, host, event = outputs[:self.OUTPUTS]
-        if token is not None and isinstance(_PENDING.get(), DeferredChecks):
-            values = values.clone()  # (read after later replays of the graph)
-        _submit(self.segments, values, self.context, staged=None if host is None else (host, event, token))
-        return tuple(outputs[self.OUTPUTS:])
 
 
 # One segment of the vector of _value_vector: (name, length).
@@ -349,7 +286,7 @@ def _failed_flag(segments: Segments, values: torch.Tensor, num_keys: int) -> tor
     return bad.long()
 
 
-_PENDING: ContextVar[Optional[Union[DeferredChecks, _ReadAfterLaunch]]] = ContextVar("ds_infcl_deferred_checks", default=None)
+_PENDING: ContextVar[Optional[Union[DeferredChecks, "_ReadAfterLaunch", "_AgreedAfterLaunch"]]] = ContextVar("ds_infcl_deferred_checks", default=None)
 
 
 @contextlib.contextmanager
@@ -403,25 +340,88 @@ class _ReadAfterLaunch:
                                    "same CUDA graph before it was read; please report this")
 
 
+class _AgreedAfterLaunch:
+    """The value checks of one distributed loss call inside ``checks_read_after_launch(agree=True)``:
+    queued on the device, then agreed by every rank of the group in the call's first collective
+    after its layout exchange (``ds_infcl.ring.agree_on_value_checks``: this rank's verdict by
+    :meth:`flag`, every rank's back through :meth:`agreed`), and read when the call has queued its
+    forward. Every rank raises together: a rank whose check failed its own ``ValueError``, the
+    others one that names it. A call with labels still reads at once (``labels_checked`` false):
+    then the verdict it sends is 0."""
+
+    labels_checked = False
+
+    def __init__(self) -> None:
+        self._entries: list = []
+        self._agreed = None  # (every rank's verdict on the host, its copy's event or None, this rank)
+
+    def add(self, segments: Segments, values: torch.Tensor, context: _Context, staged=None) -> None:
+        self._entries.append((segments, values, context))
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """``[1]`` int64 on ``device``: 1 where a queued check of this rank failed, else 0 (no read)."""
+        flags = [_failed_flag(segments, values, ctx.num_keys) for segments, values, ctx in self._entries]
+        if not flags:
+            return torch.zeros(1, dtype=torch.int64, device=device)
+        return torch.stack(flags).amax().reshape(1).to(device)
+
+    def agreed(self, flags: torch.Tensor, rank: int) -> None:
+        """``flags [W]``: every rank's :meth:`flag` in rank order (one all-gather), copied to the host
+        without a wait; ``rank`` is this rank's place in it."""
+        event = None
+        if flags.is_cuda:
+            flags = flags.to("cpu", non_blocking=True)  # into pinned memory, queued
+            event = torch.cuda.Event()
+            event.record()
+        self._agreed = (flags, event, rank)
+
+    def raise_if_failed(self) -> None:
+        if self._agreed is None:  # (every loss path that asks for agreement posts it)
+            raise RuntimeError("ds_infcl: a distributed loss call queued its input checks without agreeing on "
+                               "them with the other ranks; please report this")
+        flags, event, rank = self._agreed
+        if event is not None:
+            event.synchronize()  # waits for the all-gather of verdicts, queued before the loss's kernels
+        failed = [r for r, bad in enumerate(flags.tolist()) if bad]
+        if rank in failed:
+            for segments, values, ctx in self._entries:
+                _raise_for(_read(segments, values.cpu()), ctx)
+        if failed:
+            raise ValueError(f"rank(s) {failed} of the process group rejected their local inputs (their own "
+                             "error says why); the loss stops on every rank")
+
+
 @contextlib.contextmanager
-def checks_read_after_launch(enabled: bool = True) -> Iterator[None]:
+def checks_read_after_launch(enabled: bool = True, agree: bool = False):
     """One loss call's value checks (finite features, scale and bias) read after the call has
     queued its forward, not before. Read first, the host would wait for the GPU's whole queue to
     drain before it launched the loss's first kernel; read after, it waits for the copy of the
     check only, which the GPU reaches while the host launches the forward. The failed check raises
     the same ``ValueError`` when the block ends, before the loss is returned; the kernels queued on
     the bad features are left to finish. A no-op when not ``enabled`` or inside
-    :func:`deferred_value_checks` (the trainer reads them later still)."""
+    :func:`deferred_value_checks` (the trainer reads them later still).
+
+    ``agree``: a call over a group of several ranks, whose loss path agrees on the checks with the
+    other ranks before it launches its own kernels (``_AgreedAfterLaunch``), so that every rank
+    raises together. Yields what the loss path hands to ``ds_infcl.ring.agree_on_value_checks``
+    (``None`` when the block is a no-op: then the path must not agree, and tells the other ranks so
+    in its layout exchange)."""
     if not enabled or _PENDING.get() is not None:
-        yield
+        yield None
         return
-    pending = _ReadAfterLaunch()
+    pending = _AgreedAfterLaunch() if agree else _ReadAfterLaunch()
     token = _PENDING.set(pending)
     try:
-        yield
+        yield pending if agree else None
     finally:
         _PENDING.reset(token)
     pending.raise_if_failed()
+
+
+def pending_checks():
+    """Where the value checks of a loss call go now: a :class:`DeferredChecks`, a read after launch,
+    or ``None`` (read at once)."""
+    return _PENDING.get()
 
 
 def check_inputs(

@@ -23,6 +23,7 @@ from ds_infcl.ring.layout import (
     PROTOCOLS,
     RingLayout,
     agree_on_input_errors,
+    agree_on_value_checks,
     comm_device,
     exchange_layout,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "PROTOCOLS",
     "RingLayout",
     "agree_on_input_errors",
+    "agree_on_value_checks",
     "all_gather_blocks",
     "all_gather_nograd",
     "all_gather_rows",

@@ -31,7 +31,7 @@ from ds_infcl.settings import must_match
 
 __all__ = [
     "RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS",
-    "agree_on_input_errors",
+    "agree_on_input_errors", "agree_on_value_checks",
 ]
 
 # Recent torch renamed the flat collectives (the old names warn); older torch has only those.
@@ -153,6 +153,20 @@ def agree_on_input_errors(group=None):
             row[5] = _INPUT_ERROR
             _exchange_rows(row.tolist(), group, _comm_device_without_inputs(group), None)
         raise
+
+
+def agree_on_value_checks(checks, layout: RingLayout, group, device: torch.device) -> None:
+    """Every rank's verdict on its queued value checks, all-gathered right after the layout exchange,
+    before the loss path's own collectives and kernels: how a default distributed call reads its
+    input checks after its forward is queued and still raises on every rank together
+    (``ds_infcl.ops.validation.checks_read_after_launch(agree=True)``). ``checks`` gives this
+    rank's verdict (``flag(device)``: a ``[1]`` int64 tensor made on the device, not read) and
+    takes every rank's (``agreed(flags, rank)``). A loss path posts it where every rank's layout
+    flags say so (then every rank does: the collectives stay paired)."""
+    dev = comm_device(group, device)
+    flags = torch.empty(layout.world, dtype=torch.int64, device=dev)
+    all_gather_single(flags, checks.flag(dev), group=group)
+    checks.agreed(flags, layout.rank)
 
 
 _SIDE_STREAMS: dict = {}
