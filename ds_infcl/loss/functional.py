@@ -19,7 +19,7 @@ LSE vectors and the loss are float32 in every case.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -32,6 +32,33 @@ from ds_infcl.ring import agree_on_input_errors, group_size
 __all__ = ["lse", "contrastive_loss", "clip_loss", "positive_logits", "compose_infonce"]
 
 Scale = Union[float, torch.Tensor]
+
+
+class CheckPlan(NamedTuple):
+    """Where a loss call's value checks (finite features, scale and bias, labels in range) run and
+    when they are read: one rule for ``contrastive_loss`` and ``siglip_loss`` (docs/loss.md,
+    "Errors")."""
+
+    op_checks: bool  # the fused op computes them: traced, or at the start of its forward (PassCheck)
+    read_after_launch: bool  # read once the forward is queued (``checks_read_after_launch``)
+    agree: bool  # across ranks: every rank's verdict all-gathered after the layout exchange
+
+
+def check_plan(world: int, fused: bool, check_finite: bool, checks_labels: bool) -> CheckPlan:
+    """The :class:`CheckPlan` of a call over ``world`` ranks; ``fused``: the loss is the fused
+    single-device op there (``impl="infcl"``, SigLIP) and the ring's paths across ranks;
+    ``checks_labels``: the call has labels to check (they are read before the forward).
+
+    - Traced by ``torch.compile`` on one device, the fused op checks the values itself, in the
+      graph. Eager on one device with no labels to check, so does it: at the start of its forward,
+      in the forward's CUDA graph where one replays (``ds_infcl.ops.pass_check.PassCheck``).
+    - Eager on one device, the checks are read once the loss's kernels are queued (no wait first);
+      across ranks too (fused paths, ``check_finite``), once every rank's verdict is agreed in the
+      loss's first collective (``ds_infcl.ring.agree_on_value_checks``)."""
+    in_op = world == 1 and fused and torch.compiler.is_compiling()
+    op_checks = in_op or (world == 1 and fused and check_finite and not checks_labels)
+    agree = world > 1 and fused and check_finite
+    return CheckPlan(op_checks, (world == 1 and not in_op) or agree, agree)
 
 
 def _as_scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
@@ -173,26 +200,19 @@ def contrastive_loss(
         ValueError: on the bad inputs listed in ``lse``, labels out of range, an unknown ``impl``.
     """
     world = group_size(group)
-    # Traced by torch.compile on one device, the fused op checks the values itself (in the graph).
-    in_op = world == 1 and impl == "infcl" and torch.compiler.is_compiling()
-    # On one device, with no labels to check, so does the eager call: at the start of its forward,
-    # in the forward's CUDA graph where one replays (ds_infcl.ops.pass_check.PassCheck).
-    op_checks = in_op or (world == 1 and impl == "infcl" and check_finite and labels is None)
-    # On one device the value checks are read once the loss's kernels are queued (no wait first);
-    # across ranks too, once every rank's verdict is agreed in the loss's first collective.
-    agree = world > 1 and impl == "infcl" and check_finite
-    with checks_read_after_launch((world == 1 and not in_op) or agree, agree=agree) as checks:
+    plan = check_plan(world, impl == "infcl", check_finite, labels is not None)
+    with checks_read_after_launch(plan.read_after_launch, agree=plan.agree) as checks:
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             fn = get_loss_impl(impl)
             check_tile_size(tile_size)
             check_inputs(query, key, scale, labels, check_finite=check_finite, allow_empty=world > 1,
-                         values=not op_checks)
+                         values=not plan.op_checks)
         labels_t = None if labels is None else labels.to(device=query.device, dtype=torch.long)
         scale_t = _as_scale_tensor(scale, query.device)
-        if op_checks:
+        if plan.op_checks:
             return infonce_loss(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend,
                                 tile_size=tile_size, validate=True, check_finite=check_finite)
-        if agree:
+        if plan.agree:
             from ds_infcl.loss.ring import ring_infonce
 
             return ring_infonce(query, key, scale_t, labels_t, symmetric=symmetric, backend=backend, group=group,

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
-from ds_infcl.loss.functional import _as_scale_tensor
+from ds_infcl.loss.functional import _as_scale_tensor, check_plan
 from ds_infcl.loss.module import ClampedScaleModule
 from ds_infcl.loss.registry import register_loss_module
 from ds_infcl.ops.lse import BACKENDS, resolve_backend
@@ -318,22 +318,15 @@ def siglip_loss(
             every rank at once.
     """
     world = group_size(group)
-    # Traced by torch.compile on one device, the op checks the values itself (in the graph).
-    in_op = world == 1 and torch.compiler.is_compiling()
-    # On one device, with no labels to check, so does the eager call: at the start of its forward,
-    # in the forward's CUDA graph where one replays (ds_infcl.ops.pass_check.PassCheck).
     checks_labels = labels is not None and query_ids is None
-    op_checks = in_op or (world == 1 and check_finite and not checks_labels)
-    # On one device the value checks are read once the kernels are queued (no wait first); across
-    # ranks too, once every rank's verdict is agreed in the loss's first collective.
-    agree = world > 1 and check_finite
-    with checks_read_after_launch((world == 1 and not in_op) or agree, agree=agree) as checks:
+    plan = check_plan(world, True, check_finite, checks_labels)
+    with checks_read_after_launch(plan.read_after_launch, agree=plan.agree) as checks:
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             if backend not in BACKENDS:
                 raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
             check_tile_size(tile_size)
             check_inputs(query, key, scale, labels, check_labels=query_ids is None, check_finite=check_finite,
-                         allow_empty=world > 1, bias=bias, values=not op_checks)
+                         allow_empty=world > 1, bias=bias, values=not plan.op_checks)
             _check_ids(query_ids, key_ids, labels, query.shape[0], key.shape[0])
             backend = resolve_backend(backend, query.device)
         device = query.device
@@ -344,7 +337,7 @@ def siglip_loss(
                 qid, kid = siglip_ids(query.shape[0], key.shape[0], device, labels=labels, query_ids=query_ids,
                                       key_ids=key_ids)
             return siglip_loss_local(query, key, s, t, qid, kid, backend=backend, tile_size=tile_size,
-                                     validate=op_checks, check_finite=check_finite, check_labels=checks_labels)
+                                     validate=plan.op_checks, check_finite=check_finite, check_labels=checks_labels)
         return _siglip_distributed(query, key, s, t, labels, query_ids, key_ids, backend, tile_size, group, checks)
 
 
