@@ -363,7 +363,7 @@ class _AgreedAfterLaunch:
         flags = [_failed_flag(segments, values, ctx.num_keys) for segments, values, ctx in self._entries]
         if not flags:
             return torch.zeros(1, dtype=torch.int64, device=device)
-        return torch.stack(flags).amax().reshape(1).to(device)
+        return (flags[0] if len(flags) == 1 else torch.stack(flags).amax()).reshape(1).to(device)
 
     def agreed(self, flags: torch.Tensor, rank: int) -> None:
         """``flags [W]``: every rank's :meth:`flag` in rank order (one all-gather), copied to the host
