@@ -44,10 +44,11 @@ class CheckPlan(NamedTuple):
     agree: bool  # across ranks: every rank's verdict all-gathered after the layout exchange
 
 
-def check_plan(world: int, fused: bool, check_finite: bool, checks_labels: bool) -> CheckPlan:
+def check_plan(world: int, fused: bool, check_finite: bool, checks_labels: bool, in_forward: bool = True) -> CheckPlan:
     """The :class:`CheckPlan` of a call over ``world`` ranks; ``fused``: the loss is the fused
-    single-device op there (``impl="infcl"``, SigLIP) and the ring's paths across ranks;
-    ``checks_labels``: the call has labels to check (they are read before the forward).
+    single-device op there (``impl="infcl"``, SigLIP, ``lse``) and the ring's paths across ranks;
+    ``checks_labels``: the call has labels to check (they are read before the forward);
+    ``in_forward``: the eager op can run the checks at the start of its forward (not ``lse``'s).
 
     - Traced by ``torch.compile`` on one device, the fused op checks the values itself, in the
       graph. Eager on one device with no labels to check, so does it: at the start of its forward,
@@ -56,7 +57,7 @@ def check_plan(world: int, fused: bool, check_finite: bool, checks_labels: bool)
       across ranks too (fused paths, ``check_finite``), once every rank's verdict is agreed in the
       loss's first collective (``ds_infcl.ring.agree_on_value_checks``)."""
     in_op = world == 1 and fused and torch.compiler.is_compiling()
-    op_checks = in_op or (world == 1 and fused and check_finite and not checks_labels)
+    op_checks = in_op or (in_forward and world == 1 and fused and check_finite and not checks_labels)
     agree = world > 1 and fused and check_finite
     return CheckPlan(op_checks, (world == 1 and not in_op) or agree, agree)
 
@@ -114,22 +115,21 @@ def lse(
             non-finite features, an unknown backend.
     """
     world = group_size(group)
-    in_op = world == 1 and torch.compiler.is_compiling()  # traced: the op checks the values itself
-    # On one device the value checks are read once the kernels are queued (no wait first).
-    with checks_read_after_launch(world == 1 and not in_op):
+    plan = check_plan(world, True, check_finite, exclude_positive and labels is not None, in_forward=False)
+    with checks_read_after_launch(plan.read_after_launch, agree=plan.agree) as checks:
         with agree_on_input_errors(group):  # a rank's bad input stops every rank (no hang)
             check_tile_size(tile_size)
             options = LSEOptions(exclude_positive=exclude_positive, compute_col=compute_col, backend=backend,
                                  tile_size=tile_size)
             check_inputs(query, key, scale, labels, check_labels=exclude_positive, check_finite=check_finite,
-                         allow_empty=world > 1, values=not in_op)
+                         allow_empty=world > 1, values=not plan.op_checks)
         labels = labels_or_diagonal(labels, query.shape[0], query.device) if exclude_positive else None
         scale_t = _as_scale_tensor(scale, query.device)
         if world > 1:
             from ds_infcl.loss.ring import ring_lse
 
-            return ring_lse(query, key, scale_t, labels, options, group)
-        return tiled_lse(query, key, scale_t, labels, options, validate=in_op, check_finite=check_finite)
+            return ring_lse(query, key, scale_t, labels, options, group, checks=checks)
+        return tiled_lse(query, key, scale_t, labels, options, validate=plan.op_checks, check_finite=check_finite)
 
 
 def positive_logits(query: torch.Tensor, key: torch.Tensor, scale: torch.Tensor, labels: torch.Tensor):

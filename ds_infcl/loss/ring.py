@@ -123,6 +123,7 @@ def ring_lse(
     labels: Optional[torch.Tensor] = None,
     options: LSEOptions = LSEOptions(backend="auto"),
     group=None,
+    checks=None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Row LSE ``[b]`` over all keys of all ranks and column LSE ``[m]`` over all queries.
 
@@ -130,14 +131,19 @@ def ring_lse(
     dims, dtypes and sizes runs here, on every call, and raises on every rank. ``scale_t`` is a
     0-dim float tensor; ``options`` (``backend`` may be ``"auto"``) as for ``lse_forward``. The
     gradient that reaches rank ``r`` is that of the *sum over ranks* of the objectives built on the
-    outputs (see the module doc for the factor ``W`` of the data-parallel contract).
+    outputs (see the module doc for the factor ``W`` of the data-parallel contract). ``checks``:
+    the value checks the caller queued, agreed on by every rank right after the layout exchange
+    (``agree_on_value_checks``), as ``ring_infonce`` does.
     """
     group = resolve_group(group)
     options = options.replace(backend=_resolve_backend(options.backend, query.device, group))
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col),
+        flags=_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col,
+                     agree=checks is not None),
     )
+    if checks is not None:
+        agree_on_value_checks(checks, layout, group, query.device)
     row, col = RingLSEFunction.apply(query, key, scale_t, labels, options, layout, group)
     return row, (col if options.compute_col else None)
 

@@ -1,7 +1,7 @@
 """The default distributed call's input checks (``check_finite``), agreed by every rank after the
 layout exchange and read once the forward is queued (``checks_read_after_launch(agree=True)``,
 ``ds_infcl.ring.agree_on_value_checks``), on 3 gloo ranks with unequal sizes, InfoNCE and SigLIP,
-the gather path and the ring:
+the gather path and the ring, and ``lse``:
 
 - NaN rows on one rank: that rank raises its own error, counting its rows; the others raise one that
   names it; the loss's forward ran before anything was read, and only the bad rank read its values.
@@ -136,6 +136,41 @@ def test_a_bad_scale_everywhere_and_a_bad_bias_on_one_rank():
         else:
             assert "rank(s) [2] of the process group rejected their local inputs" in res["bias"], (rank, res)
         assert res["after"] == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, res)
+
+
+def _lse_worker(rank, world, payload):
+    """``lse`` (the ring's row and column statistics): a NaN key on rank 2, then a good call."""
+    from ds_infcl.loss import lse, ring
+
+    events: list = []
+    plain_read = validation._read
+    validation._read = lambda *a: events.append("read") or plain_read(*a)
+    plain_forward = ring.RingLSEFunction.forward
+    ring.RingLSEFunction.forward = staticmethod(lambda *a: events.append("forward") or plain_forward(*a))
+    qs, ks = _features(rank, seed=4)
+    k = ks[rank].clone()
+    if rank == 2:
+        k[1, 3] = float("-inf")
+    msg = _message(lambda: lse(qs[rank], k, SCALE, backend="torch"))
+    order = list(events)
+    row, col = lse(qs[rank], ks[rank], SCALE, backend="torch")
+    return msg, order, row, col
+
+
+@pytest.mark.slow
+def test_lse_agrees_on_its_checks_too():
+    qs, ks = _features(0, seed=4)
+    logits = SCALE * torch.cat(qs).double() @ torch.cat(ks).double().T
+    want_row, want_col = logits.logsumexp(1).split(QUERIES), logits.logsumexp(0).split(KEYS)
+    for rank, (msg, order, row, col) in enumerate(spawn(_lse_worker, 3, None, timeout=120)):
+        if rank == 2:
+            assert msg.startswith(f"key has 1 of {KEYS[2]} rows with NaN or Inf"), msg
+            assert order == ["forward", "read"], order
+        else:
+            assert "rank(s) [2] of the process group rejected their local inputs" in msg, (rank, msg)
+            assert order == ["forward"], (rank, order)
+        torch.testing.assert_close(row.double(), want_row[rank], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(col.double(), want_col[rank], rtol=1e-5, atol=1e-5)
 
 
 def _mixed_worker(rank, world, payload):
