@@ -1,8 +1,11 @@
 """Input checks shared by every loss path: a clear ``ValueError`` instead of a silent NaN or a hang.
 
 Everything here is local (no communication). The cross-rank check of dims, dtypes and sizes lives
-in ``ds_infcl.ring`` (a small metadata all-gather on every call, which also carries each rank's
-local check result so that a bad input on one rank raises on every rank instead of hanging).
+in ``ds_infcl.ring`` (a small metadata exchange on every call, which also carries each rank's
+local structure errors so that a bad input on one rank raises on every rank instead of hanging);
+so does the all-gather of every rank's verdict on its value checks that a default distributed call
+reads after its forward is queued (``ds_infcl.ring.agree_on_value_checks``, with
+``checks_read_after_launch(agree=True)`` here).
 """
 
 from __future__ import annotations
