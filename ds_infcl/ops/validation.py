@@ -271,7 +271,9 @@ class DeferredChecks:
         """A 0-dim device tensor, nonzero when a queued check failed; ``None`` when nothing is
         queued. Reads nothing."""
         flags = [_failed_flag(segments, values, ctx.num_keys) for segments, values, ctx in self._entries]
-        return torch.stack(flags).sum() if flags else None
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
 
     def raise_if_failed(self) -> None:
         """Read the queued checks (after the kernels that made them have finished: no wait) and
@@ -355,18 +357,19 @@ class _AgreedAfterLaunch:
     labels_checked = False
 
     def __init__(self) -> None:
-        self._entries: list = []
+        self._queued = DeferredChecks()  # (this rank's checks: queued, and read only when they failed)
         self._agreed = None  # (every rank's verdict on the host, its copy's event or None, this rank)
 
     def add(self, segments: Segments, values: torch.Tensor, context: _Context, staged=None) -> None:
-        self._entries.append((segments, values, context))
+        self._queued.add(segments, values, context)
 
     def flag(self, device: torch.device) -> torch.Tensor:
-        """``[1]`` int64 on ``device``: 1 where a queued check of this rank failed, else 0 (no read)."""
-        flags = [_failed_flag(segments, values, ctx.num_keys) for segments, values, ctx in self._entries]
-        if not flags:
+        """``[1]`` int64 on ``device``: nonzero where a queued check of this rank failed, else 0 (no
+        read)."""
+        failed = self._queued.failed()
+        if failed is None:
             return torch.zeros(1, dtype=torch.int64, device=device)
-        return (flags[0] if len(flags) == 1 else torch.stack(flags).amax()).reshape(1).to(device)
+        return failed.reshape(1).to(device)
 
     def agreed(self, flags: torch.Tensor, rank: int) -> None:
         """``flags [W]``: every rank's :meth:`flag` in rank order (one all-gather), copied to the host
@@ -387,8 +390,7 @@ class _AgreedAfterLaunch:
             event.synchronize()  # waits for the all-gather of verdicts, queued before the loss's kernels
         failed = [r for r, bad in enumerate(flags.tolist()) if bad]
         if rank in failed:
-            for segments, values, ctx in self._entries:
-                _raise_for(_read(segments, values.cpu()), ctx)
+            self._queued.raise_if_failed()
         if failed:
             raise ValueError(f"rank(s) {failed} of the process group rejected their local inputs (their own "
                              "error says why); the loss stops on every rank")
