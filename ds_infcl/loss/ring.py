@@ -56,7 +56,9 @@ from ds_infcl.loss.algorithm import algorithm_settings, choose_algorithm
 from ds_infcl.loss.ring_steps import _ring_backward, _ring_forward
 from ds_infcl.ops import LSEOptions, resolve_backend
 from ds_infcl.ops.lse import refuse_double_backward
-from ds_infcl.ring import agree_on_input_errors, agree_on_value_checks, exchange_layout, group_size, resolve_group
+from ds_infcl.ring import (
+    agree_on_input_errors, agree_on_value_checks, exchange_layout, group_size, layout_flags, resolve_group,
+)
 
 __all__ = ["RingLSEFunction", "ring_lse", "ring_infonce"]
 
@@ -98,10 +100,6 @@ class RingLSEFunction(torch.autograd.Function):
         return dq.to(query.dtype), dk.to(key.dtype), dscale, None, None, None, None
 
 
-def _flags(**options) -> int:
-    return sum(int(bool(v)) << i for i, v in enumerate(options.values()))
-
-
 _BACKENDS: dict = {}  # (backend, device type, interpreting) -> resolve_backend's answer
 
 
@@ -139,7 +137,7 @@ def ring_lse(
     options = options.replace(backend=_resolve_backend(options.backend, query.device, group))
     layout = exchange_layout(
         query, key, group, protocol="ring_lse",
-        flags=_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col,
+        flags=layout_flags(exclude_positive=options.exclude_positive, compute_col=options.compute_col,
                      agree=checks is not None),
     )
     if checks is not None:
@@ -173,7 +171,7 @@ def _exchange(query, key, labels, symmetric, group, own, agree):
     try:
         layout = exchange_layout(
             query, key, group, protocol="ring_lse",
-            flags=_flags(exclude_positive=False, compute_col=symmetric, agree=agree), settings=algorithm_settings(),
+            flags=layout_flags(exclude_positive=False, compute_col=symmetric, agree=agree), settings=algorithm_settings(),
             explicit_labels=labels is not None, staged=tag, between=None if transport is None else between,
         )
     except BaseException:

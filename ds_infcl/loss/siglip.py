@@ -61,6 +61,7 @@ from ds_infcl.ring import (
     exchange_layout,
     global_sum_with_grad,
     group_size,
+    layout_flags,
     post_ring_shift,
     reduce_scatter_rows,
     resolve_group,
@@ -346,7 +347,8 @@ def _siglip_distributed(query, key, s, t, labels, query_ids, key_ids, backend, t
     checks it queued, agreed on by every rank right after the layout exchange, or ``None``)."""
     group = resolve_group(group)
     with_ids = query_ids is not None
-    flags = int(with_ids) | int(checks is not None) << 1  # (ranks that disagree would pair other collectives)
+    # (ranks whose flags disagree would pair other collectives: the layout exchange refuses them)
+    flags = layout_flags(with_ids=with_ids, agree=checks is not None)
     layout = exchange_layout(query, key, group, protocol="siglip", flags=flags, settings=algorithm_settings())
     if checks is not None:
         agree_on_value_checks(checks, layout, group, query.device)

@@ -26,6 +26,7 @@ from ds_infcl.ring.layout import (
     agree_on_value_checks,
     comm_device,
     exchange_layout,
+    layout_flags,
 )
 from ds_infcl.ring.p2p import post_ring_shift, ring_shift, wait_all
 
@@ -45,6 +46,7 @@ __all__ = [
     "global_sum_with_grad",
     "group_rank",
     "group_size",
+    "layout_flags",
     "post_ring_shift",
     "reduce_scatter_rows",
     "resolve_group",

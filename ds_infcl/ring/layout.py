@@ -31,7 +31,7 @@ from ds_infcl.settings import must_match
 
 __all__ = [
     "RingLayout", "exchange_layout", "comm_device", "all_gather_single", "PROTOCOLS",
-    "agree_on_input_errors", "agree_on_value_checks",
+    "agree_on_input_errors", "agree_on_value_checks", "layout_flags",
 ]
 
 # Recent torch renamed the flat collectives (the old names warn); older torch has only those.
@@ -210,6 +210,12 @@ def _exchange_rows(mine, group, dev: torch.device, between) -> list:
     if state.step < 2:
         state.update([row[-1] for row in table], [row[-2] for row in table])
     return table
+
+
+def layout_flags(**options) -> int:
+    """The ``flags`` of :func:`exchange_layout` from a loss path's options, in the order given: bit
+    ``i`` is the ``i``-th option's truth (``layout_flags(with_ids=..., agree=...)``)."""
+    return sum(int(bool(v)) << i for i, v in enumerate(options.values()))
 
 
 def exchange_layout(
