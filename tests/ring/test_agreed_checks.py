@@ -192,7 +192,7 @@ def test_ranks_that_would_not_all_agree_stop_with_one_error():
             assert "disagree on the flags" in msg, (rank, loss_name, msg)
 
 
-def _agreed(entries, flags, rank):
+def _agreed(entries):
     pending = validation._AgreedAfterLaunch()
     for query in entries:
         segments = validation._segments(query, None, None, None, True, None)
@@ -216,10 +216,10 @@ def test_the_agreement_host_side(device):
         ([good], [0, 0], 1, None),
         ([], [0, 0], 0, None),
     ):
-        pending, mine = _agreed(entries, flags, rank)
+        pending, mine = _agreed(entries)
         assert mine.tolist() == [int(flags[rank])], (entries, flags)
         pending.agreed(torch.tensor(flags, device=device), rank)
         got = _message(pending.raise_if_failed)
         assert (got == "no error") if want is None else got.startswith(want), (flags, rank, got)
     with pytest.raises(RuntimeError, match="without agreeing"):
-        _agreed([good], [0], 0)[0].raise_if_failed()
+        _agreed([good])[0].raise_if_failed()
